@@ -1,0 +1,35 @@
+# rbln-ray developer entry points. `make setup` then `make test` is the whole story.
+PY      ?= python3.11
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.rbln-ray-installed
+
+.PHONY: setup test lint demo clean
+
+setup: $(STAMP)
+
+# Re-runs only when a requirements file changes, so a second `make setup` is instant.
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install -r requirements.txt -r requirements-test.txt
+	# optimum-rbln pins +cpu torchvision/torchaudio/torchcodec builds PyPI lacks: no deps.
+	$(BIN)/pip install --no-deps optimum-rbln==0.12.0
+	# PyPI's torchvision breaks `import transformers` beside torch 2.13.0+cpu; nothing needs it.
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	$(BIN)/pip install --no-deps -e .
+	$(BIN)/python -c "import vllm, ray, transformers, rbln_ray; print('rbln-ray environment ready')"
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+lint:
+	$(BIN)/ruff check .
+
+demo: setup
+	$(BIN)/rbln-ray demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,18 @@
+"""Small decoder models built locally and deterministically (no model hub needed).
+
+``build_tiny_model`` makes random-weight Llama/Qwen2/Qwen3/Mistral directories for tests;
+``demo_model_dir`` returns a small Llama trained briefly on local Python sources, cached.
+"""
+
+from rbln_ray.models.builder import FAMILIES, TinyModelSpec, build_tiny_model
+from rbln_ray.models.demo import demo_model_dir
+from rbln_ray.models.tokenizer import build_tokenizer, cache_dir
+
+__all__ = [
+    "FAMILIES",
+    "TinyModelSpec",
+    "build_tiny_model",
+    "build_tokenizer",
+    "cache_dir",
+    "demo_model_dir",
+]

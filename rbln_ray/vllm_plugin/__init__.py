@@ -1,0 +1,30 @@
+"""vLLM integration: the RBLN platform plugin, worker, model runner, loader and scheduler."""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+PLATFORM_CLS = "rbln_ray.vllm_plugin.platform.RBLNPlatform"
+
+
+def register() -> str | None:
+    """``vllm.platform_plugins`` entry point (vLLM calls it in every process it starts).
+
+    Returns the RBLN platform's qualname when RBLN devices are in play (a real ``rebel``
+    runtime, or ``RBLN_RAY_DEVICE=emulated``), else ``None`` so plain vLLM in the same
+    environment is unaffected. Activating here also makes ``rebel`` importable in vLLM's
+    spawned engine process before anything imports optimum-rbln.
+    """
+    from rbln_ray.emulator import ensure_runtime
+
+    runtime = ensure_runtime()
+    if runtime == "none":
+        return None
+    if runtime == "rbln":
+        import rebel
+
+        if rebel.device_count() == 0:  # rebel-compiler installed, but no ATOM card here
+            return None
+    return PLATFORM_CLS

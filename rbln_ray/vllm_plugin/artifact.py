@@ -1,0 +1,79 @@
+"""The compiled optimum-rbln artifact, read once from its ``rbln_config.json``.
+
+Why: the compiled directory is the source of truth for everything shape-related (batch size,
+maximum length, KV block size and count). vLLM's scheduler must be configured from it, not
+from user guesses, or it would schedule work the compiled graphs cannot run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+RBLN_CONFIG = "rbln_config.json"
+
+
+class ArtifactError(ValueError):
+    """A directory is not a usable compiled optimum-rbln decoder model."""
+
+
+@dataclass(frozen=True)
+class CompiledArtifact:
+    """What rbln-ray needs to know about a compiled decoder-only model directory."""
+
+    path: Path
+    cls_name: str
+    batch_size: int
+    max_seq_len: int
+    kvcache_block_size: int
+    kvcache_num_blocks: int
+    attn_impl: str
+    prefill_chunk_size: int
+    decoder_batch_sizes: tuple[int, ...]
+    num_devices: int
+    use_attention_mask: bool
+    requires_batch_sort: bool
+
+    @property
+    def blocks_per_seq(self) -> int:
+        """Block-table width: KV blocks one sequence of ``max_seq_len`` tokens spans."""
+        return -(-self.max_seq_len // self.kvcache_block_size)
+
+    @classmethod
+    def load(cls, path: str | Path) -> CompiledArtifact:
+        path = Path(path)
+        cfg_path = path / RBLN_CONFIG
+        if not cfg_path.is_file():
+            raise ArtifactError(f"{path} has no {RBLN_CONFIG}: not a compiled optimum-rbln model")
+        raw = json.loads(cfg_path.read_text())
+        if "kvcache_block_size" not in raw or "decoder_batch_sizes" not in raw:
+            raise ArtifactError(
+                f"{cfg_path} ({raw.get('cls_name', '?')}) is not a decoder-only causal LM artifact"
+            )
+        compile_cfgs = raw.get("_compile_cfgs") or [{}]
+        num_devices = (
+            raw.get("tensor_parallel_size")
+            or raw.get("num_devices")
+            or compile_cfgs[0].get("num_devices")
+            or compile_cfgs[0].get("tensor_parallel_size")
+            or 1
+        )
+        return cls(
+            path=path,
+            cls_name=raw.get("cls_name", ""),
+            batch_size=int(raw["batch_size"]),
+            max_seq_len=int(raw["max_seq_len"]),
+            kvcache_block_size=int(raw["kvcache_block_size"]),
+            kvcache_num_blocks=int(raw["kvcache_num_blocks"]),
+            attn_impl=raw.get("attn_impl", "eager"),
+            prefill_chunk_size=int(raw.get("prefill_chunk_size", 128)),
+            decoder_batch_sizes=tuple(sorted(int(b) for b in raw["decoder_batch_sizes"])),
+            num_devices=int(num_devices),
+            use_attention_mask=bool(raw.get("use_attention_mask")),
+            requires_batch_sort=bool(raw.get("_requires_batch_sort")),
+        )
+
+
+def is_compiled_dir(path: str | Path) -> bool:
+    return (Path(path) / RBLN_CONFIG).is_file()

@@ -1,0 +1,159 @@
+"""The RBLN platform for vLLM 0.30: host tensors on the CPU, compute on RBLN devices.
+
+It subclasses vLLM's ``CpuPlatform`` because everything vLLM itself touches (sampling,
+input batches, detokenising) is host-side; the device work happens inside optimum-rbln's
+runtimes, driven by :class:`~rbln_ray.vllm_plugin.worker.RBLNWorker`.
+
+Config policy: the compiled artifact's ``rbln_config.json`` is the source of truth. Values the
+user did not set are overridden from it (logged); a user value the artifact cannot honour
+(``max_model_len`` above its ``max_seq_len``, a different ``block_size`` or block count) is an
+error that names both values.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from vllm.platforms.cpu import CpuPlatform
+
+from rbln_ray.vllm_plugin.artifact import CompiledArtifact
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+WORKER_CLS = "rbln_ray.vllm_plugin.worker.RBLNWorker"
+SCHEDULER_CLS = "rbln_ray.vllm_plugin.scheduler.RBLNScheduler"
+RAY_EXECUTOR_CLS = "rbln_ray.executor.RBLNRayExecutor"
+# vllm_config.additional_config keys rbln-ray reads and writes.
+COMPILED_DIR_KEY = "rbln_compiled_dir"
+COMPILE_SETTINGS_KEY = "rbln_compile"
+
+
+class RBLNConfigError(ValueError):
+    """A vLLM setting conflicts with what the compiled RBLN artifact supports."""
+
+
+def compiled_artifact(vllm_config: VllmConfig) -> CompiledArtifact:
+    """Resolve (compiling an HF directory on first use) and load the engine's artifact."""
+    from rbln_ray.vllm_plugin.loader import CompileSettings, resolve_compiled_dir
+
+    extra = vllm_config.additional_config
+    if not isinstance(extra, dict):
+        raise RBLNConfigError("additional_config must be a dict for the RBLN platform")
+    compiled = extra.get(COMPILED_DIR_KEY)
+    if compiled is None:
+        model_config = vllm_config.model_config
+        settings = CompileSettings.from_dict(extra.get(COMPILE_SETTINGS_KEY))
+        user_len = model_config.original_max_model_len
+        if settings.max_seq_len is None and user_len and user_len > 0:
+            settings = CompileSettings.from_dict(
+                {**extra.get(COMPILE_SETTINGS_KEY, {}), "max_seq_len": user_len}
+            )
+        compiled = str(resolve_compiled_dir(model_config.model, settings))
+        extra[COMPILED_DIR_KEY] = compiled
+    return CompiledArtifact.load(compiled)
+
+
+def _sync_model_len(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
+    model_config = vllm_config.model_config
+    user_len = model_config.original_max_model_len
+    if user_len and user_len > art.max_seq_len:
+        raise RBLNConfigError(
+            f"max_model_len={user_len} exceeds the compiled max_seq_len={art.max_seq_len} "
+            f"of {art.path}; recompile with a larger max_seq_len or lower max_model_len"
+        )
+    wanted = user_len if user_len and user_len > 0 else art.max_seq_len
+    if model_config.max_model_len != wanted:
+        logger.info(
+            "max_model_len %s -> %d (compiled artifact)", model_config.max_model_len, wanted
+        )
+        model_config.max_model_len = wanted
+
+
+def _sync_kv_cache(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
+    cache = vllm_config.cache_config
+    if cache.user_specified_block_size and cache.block_size != art.kvcache_block_size:
+        raise RBLNConfigError(
+            f"block_size={cache.block_size} conflicts with the compiled "
+            f"kvcache_block_size={art.kvcache_block_size} of {art.path}"
+        )
+    cache.block_size = art.kvcache_block_size
+    blocks = art.kvcache_num_blocks + 1  # +1: vLLM reserves block 0 as its null block
+    if cache.num_gpu_blocks_override not in (None, blocks):
+        raise RBLNConfigError(
+            f"num_gpu_blocks_override={cache.num_gpu_blocks_override} conflicts with the compiled "
+            f"kvcache_num_blocks={art.kvcache_num_blocks} (+1 null block = {blocks})"
+        )
+    cache.num_gpu_blocks_override = blocks
+    # RBLN blocks are whole sequences (eager) or partitions (flash): never shared.
+    cache.enable_prefix_caching = False
+
+
+def _sync_scheduler(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
+    sched = vllm_config.scheduler_config
+    if sched.max_num_seqs > art.batch_size:
+        logger.info(
+            "max_num_seqs %d -> %d (compiled batch_size)", sched.max_num_seqs, art.batch_size
+        )
+    sched.max_num_seqs = min(sched.max_num_seqs, art.batch_size)
+    max_len = vllm_config.model_config.max_model_len
+    # One whole prompt per prefill step: chunking happens inside the compiled prefill graph.
+    sched.enable_chunked_prefill = False
+    sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, max_len)
+    sched.max_num_scheduled_tokens = None
+    sched.long_prefill_token_threshold = 0
+    sched.async_scheduling = False
+    sched.scheduler_cls = SCHEDULER_CLS
+    sched.verify_max_model_len(max_len)
+
+
+def _sync_parallel(vllm_config: VllmConfig) -> None:
+    parallel = vllm_config.parallel_config
+    parallel.worker_cls = WORKER_CLS
+    if parallel.distributed_executor_backend == "ray":
+        parallel.distributed_executor_backend = RAY_EXECUTOR_CLS
+    elif parallel.distributed_executor_backend in (None, "mp"):
+        parallel.distributed_executor_backend = "uni"
+
+
+class RBLNPlatform(CpuPlatform):
+    """vLLM platform for Rebellions RBLN NPUs (ATOM), real or emulated."""
+
+    device_name = "rbln"
+    ray_device_key = "RBLN"
+    device_control_env_var = "RBLN_DEVICES"
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        import rebel  # the real runtime or the emulator; the plugin activated one
+
+        return rebel.get_npu_name(device_id)
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        """Align vLLM with the compiled artifact. Idempotent: vLLM calls it in the driver and
+        again in the engine-core process, so everything derives from ``rbln_config.json``."""
+        from vllm.config import CompilationMode
+
+        if vllm_config.model_config is None:
+            return
+        art = compiled_artifact(vllm_config)
+        _sync_model_len(vllm_config, art)
+        _sync_kv_cache(vllm_config, art)
+        _sync_scheduler(vllm_config, art)
+        _sync_parallel(vllm_config)
+        vllm_config.model_config.disable_cascade_attn = True
+        vllm_config.compilation_config.mode = CompilationMode.NONE
+        vllm_config.compilation_config.cudagraph_capture_sizes = []
+
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        """Reject what the compiled graphs cannot compute, with a message naming it."""
+        if getattr(params, "prompt_logprobs", None) is not None:
+            raise ValueError(
+                "prompt_logprobs is not supported on RBLN: the compiled prefill graph returns "
+                "logits for the last prompt token only"
+            )

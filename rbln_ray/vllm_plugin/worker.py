@@ -1,0 +1,103 @@
+"""RBLN worker: vLLM's ``WorkerBase`` for one process that owns a shard group of devices.
+
+The KV cache lives inside the compiled runtimes (static buffers), so this worker reports a
+nominal KV spec whose block count vLLM's platform hook pinned to the compiled
+``kvcache_num_blocks`` (+1 null block), and allocates nothing itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from rbln_ray.vllm_plugin.artifact import CompiledArtifact
+from rbln_ray.vllm_plugin.loader import load_compiled_model
+from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner
+from rbln_ray.vllm_plugin.platform import compiled_artifact
+
+logger = logging.getLogger(__name__)
+
+KV_LAYER = "rbln.kv"  # one nominal layer: vLLM only needs the block count and size
+
+
+class RBLNWorker(WorkerBase):
+    """Loads the compiled model on this process's RBLN devices and runs scheduler steps."""
+
+    artifact: CompiledArtifact
+    model_runner: RBLNModelRunner
+
+    def init_device(self) -> None:
+        self.device = torch.device("cpu")
+        self.artifact = compiled_artifact(self.vllm_config)
+        n = self.artifact.num_devices
+        # Indices into this process's visible devices (RBLN_DEVICES, set by Ray per actor).
+        self.device_ids = list(range(self.local_rank * n, (self.local_rank + 1) * n))
+        logger.info(
+            "RBLN worker rank %d: devices %s (RBLN_DEVICES=%s)",
+            self.rank,
+            self.device_ids,
+            os.environ.get("RBLN_DEVICES"),
+        )
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        model = load_compiled_model(self.artifact, self.device_ids)
+        self.model_runner = RBLNModelRunner(self.vllm_config, self.artifact, model)
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        spec = FullAttentionSpec(
+            block_size=self.artifact.kvcache_block_size,
+            num_kv_heads=1,
+            head_size=1,
+            dtype=torch.float32,
+        )
+        return {KV_LAYER: spec}
+
+    def determine_available_memory(self) -> int:
+        spec = self.get_kv_cache_spec()[KV_LAYER]
+        return (self.artifact.kvcache_num_blocks + 1) * spec.page_size_bytes
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        if kv_cache_config.num_blocks != self.artifact.kvcache_num_blocks + 1:
+            raise RuntimeError(
+                f"vLLM planned {kv_cache_config.num_blocks} KV blocks; the compiled model has "
+                f"{self.artifact.kvcache_num_blocks} (+1 null block)"
+            )
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(language_model=0.0, encoder=0.0)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        return self.model_runner.sample_tokens(grammar_output)
+
+    def step_stats(self) -> dict:
+        """Runner counters (collective_rpc target for tests and benchmarks)."""
+        from dataclasses import asdict
+
+        return asdict(self.model_runner.stats)
+
+    def device_info(self) -> dict:
+        """Where this worker runs: pid, node, the devices it pinned (collective_rpc target)."""
+        return {
+            "pid": os.getpid(),
+            "rbln_devices": os.environ.get("RBLN_DEVICES"),
+            "device_ids": self.device_ids,
+            "node": os.environ.get("RBLN_RAY_NODE_ID"),
+        }
+
+    def check_health(self) -> None:
+        return
+
+    def shutdown(self) -> None:
+        self.model_runner = None  # type: ignore[assignment]
