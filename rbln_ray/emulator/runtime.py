@@ -1,0 +1,180 @@
+"""``rebel.Runtime`` for the emulator: run a compiled snapshot eagerly on CPU.
+
+Why KV sharing works the way it does: optimum creates one runtime per compiled graph
+(prefill, decoder_batch_N...) in one go, and all of them must read and write the *same*
+static KV buffers (``CompileContext.mark_static_address``). A second load of the same
+artifact must get its own buffers. So buffers live in a ``_Load``: a runtime joins the most
+recent live load of its compile group that has not yet claimed its graph, else starts a new
+load. Loads are weakly registered and die with their runtimes, releasing device memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rbln_ray.emulator import devices
+from rbln_ray.emulator.compiled_model import RBLNCompiledModel, _dtype
+
+logger = logging.getLogger(__name__)
+
+_REGISTRY_LOCK = threading.Lock()
+_LOADS: dict[str, list[weakref.ReferenceType]] = {}
+_COUNTER = itertools.count()
+
+
+class _Load:
+    """KV buffers and device charges shared by the runtimes of one model load."""
+
+    def __init__(self, group_id: str, device_keys: list[tuple[str, int]]):
+        self.group_id = group_id
+        self.name = f"load-{group_id[:8]}-{next(_COUNTER)}"
+        self.device_keys = device_keys
+        self.claimed: set[str] = set()
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.weights_charged = False
+        acquired: list[tuple[str, int]] = []
+        try:
+            for key in device_keys:
+                acquired.append(devices.LEDGER.acquire(key[1]))
+        except Exception:
+            _release(acquired, self.name)
+            raise
+        weakref.finalize(self, _release, list(device_keys), self.name)
+
+    def charge(self, nbytes: int, what: str) -> None:
+        share = nbytes // max(1, len(self.device_keys))
+        for key in self.device_keys:
+            devices.LEDGER.charge(key, self.name, share, what)
+
+    def buffer(self, name: str, shape: list[int], dtype: str) -> torch.Tensor:
+        existing = self.buffers.get(name)
+        if existing is not None:
+            if list(existing.shape) != list(shape):
+                raise RuntimeError(
+                    f"static buffer {name} has shape {list(existing.shape)} in this load but a "
+                    f"graph expects {shape}"
+                )
+            return existing
+        with torch.inference_mode(False):
+            tensor = torch.zeros(shape, dtype=_dtype(dtype))
+        self.buffers[name] = tensor
+        return tensor
+
+
+def _release(device_keys: list[tuple[str, int]], owner: str) -> None:
+    for key in device_keys:
+        devices.LEDGER.release(key, owner)
+
+
+def _join_load(cm: RBLNCompiledModel, device_keys: list[tuple[str, int]]) -> _Load:
+    with _REGISTRY_LOCK:
+        refs = _LOADS.setdefault(cm.group_id, [])
+        refs[:] = [r for r in refs if r() is not None]
+        for ref in reversed(refs):
+            load = ref()
+            if load is not None and cm.graph_id not in load.claimed:
+                if load.device_keys != device_keys:
+                    continue
+                load.claimed.add(cm.graph_id)
+                return load
+        load = _Load(cm.group_id, device_keys)
+        load.claimed.add(cm.graph_id)
+        refs.append(weakref.ref(load))
+        return load
+
+
+def _devices_for(device: int | Sequence[int] | None, num_devices: int) -> list[int]:
+    if device is None:
+        logical = list(range(num_devices))
+    elif isinstance(device, int):
+        logical = [device]
+    else:
+        logical = [int(d) for d in device]
+    if len(logical) != num_devices:
+        raise ValueError(f"model was compiled for {num_devices} device(s) but got device={device}")
+    return [devices.to_physical(d) for d in logical]
+
+
+class Runtime:
+    """Executes one compiled graph; call as ``rt(*inputs, out=[...])``.
+
+    Callers pass the non-KV inputs in ``input_info`` order; the runtime appends its KV
+    buffers (shared with the other graphs of the same load).
+    """
+
+    def __init__(
+        self,
+        compiled_model: RBLNCompiledModel,
+        tensor_type: str = "pt",
+        device: int | Sequence[int] | None = None,
+        activate_profiler: bool | None = None,
+        timeout: int | None = None,
+        **kwargs: Any,
+    ):
+        if tensor_type != "pt":
+            raise NotImplementedError("the emulator only supports tensor_type='pt'")
+        self._cm = compiled_model
+        physical = _devices_for(device, compiled_model.num_devices)
+        node = devices.node_id()
+        keys = [(node, p) for p in physical]
+        self._load = _join_load(compiled_model, keys)
+        load = self._load
+        try:
+            kv = compiled_model.kv_shapes
+            new_kv = sum(
+                b for name, b in compiled_model.kv_bytes().items() if name not in load.buffers
+            )
+            need = compiled_model.program_bytes() + new_kv
+            if not load.weights_charged:
+                need += compiled_model.weight_bytes
+            load.charge(need, f"model graph {compiled_model.graph_id[:8]}")
+            load.weights_charged = True
+            self._kv = [load.buffer(name, *kv[name]) for name in kv]
+        except Exception:
+            load.claimed.discard(compiled_model.graph_id)
+            raise
+        self._module = compiled_model.module
+        self._num_inputs = len(compiled_model.input_info)
+        self._shapes = [tuple(shape) for _, shape, _ in compiled_model.input_info]
+        self.physical_devices = physical
+        logger.debug("emulated runtime on devices %s (node %s)", physical, node)
+
+    def __call__(self, *inputs: torch.Tensor, out: Any = None) -> Any:
+        return self.run(*inputs, out=out)
+
+    def run(self, *inputs: torch.Tensor, out: Any = None) -> Any:
+        if len(inputs) != self._num_inputs:
+            names = [n for n, _, _ in self._cm.input_info]
+            raise ValueError(f"expected {self._num_inputs} inputs {names}, got {len(inputs)}")
+        for i, (tensor, shape) in enumerate(zip(inputs, self._shapes, strict=True)):
+            if tuple(tensor.shape) != shape:
+                name = self._cm.input_info[i][0]
+                raise ValueError(
+                    f"input {i} ({name}) has shape {list(tensor.shape)}; compiled for {list(shape)}"
+                )
+        with torch.no_grad():
+            result = self._module(*inputs, *self._kv)
+        outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+        if out is not None:
+            targets = out if isinstance(out, (list, tuple)) else [out]
+            for target, value in zip(targets, outputs, strict=False):
+                target.copy_(value.reshape(target.shape))
+            return out if isinstance(out, (list, tuple)) and len(out) > 1 else targets[0]
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    forward = run
+
+    @property
+    def kv_buffers(self) -> dict[str, torch.Tensor]:
+        """The static KV tensors this runtime appends (shared within one load)."""
+        return dict(zip(self._cm.kv_shapes, self._kv, strict=True))
+
+    def __repr__(self) -> str:
+        return f"<rebel.Runtime (emulated) devices={self.physical_devices} {self._cm!r}>"
