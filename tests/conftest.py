@@ -12,6 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Small matmuls on a shared 2-core box run far faster single-threaded; children inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def hf_greedy(
@@ -49,3 +51,35 @@ def tiny_models() -> dict[str, Path]:
     from rbln_ray.models import FAMILIES, build_tiny_model
 
     return {family: build_tiny_model(family=family) for family in FAMILIES}
+
+
+def compiled_model(family: str = "llama", **settings) -> Path:
+    """A tiny model of ``family`` compiled on the emulator (cached by content and settings)."""
+    os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
+    from rbln_ray.models import build_tiny_model
+    from rbln_ray.vllm_plugin.loader import CompileSettings, resolve_compiled_dir
+
+    defaults = {"batch_size": 4, "max_seq_len": 512, "decoder_batch_sizes": (4, 2, 1)}
+    if settings.get("attn_impl") == "flash_attn":
+        # optimum-rbln's ATOM limits: partition >= 1024 and max_seq_len >= 2 partitions.
+        defaults.update(kvcache_partition_len=1024, max_seq_len=2048)
+    return resolve_compiled_dir(
+        build_tiny_model(family=family), CompileSettings(**{**defaults, **settings})
+    )
+
+
+def run_script(script: str, *args: str, timeout: float = 600, env: dict | None = None) -> dict:
+    """Run ``tests/scripts/<script>`` in a fresh process and return its ``RESULT`` JSON."""
+    import json
+    import subprocess
+
+    proc = subprocess.run(
+        [PYTHON, str(ROOT / "tests" / "scripts" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "RBLN_RAY_DEVICE": "emulated", **(env or {})},
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-6000:])
+    return json.loads(lines[-1][len("RESULT ") :])

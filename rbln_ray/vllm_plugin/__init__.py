@@ -18,7 +18,9 @@ def register() -> str | None:
     spawned engine process before anything imports optimum-rbln.
     """
     from rbln_ray.emulator import ensure_runtime
+    from rbln_ray.logging_setup import setup_logging
 
+    setup_logging()
     runtime = ensure_runtime()
     if runtime == "none":
         return None

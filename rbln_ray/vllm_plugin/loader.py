@@ -11,6 +11,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ class CompileSettings:
     kvcache_partition_len: int | None = None
     num_devices: int = 1
     use_attention_mask: bool = False
+    decoder_batch_sizes: tuple[int, ...] | None = None  # default: optimum's ([batch_size])
 
     def __post_init__(self) -> None:
         if self.attn_impl not in ("eager", "flash_attn"):
@@ -60,6 +62,8 @@ class CompileSettings:
                 f"unknown RBLN compile settings {sorted(unknown)}; "
                 f"known: {sorted(cls.__dataclass_fields__)}"
             )
+        if raw.get("decoder_batch_sizes") is not None:
+            raw["decoder_batch_sizes"] = tuple(raw["decoder_batch_sizes"])
         return cls(**raw)
 
 
@@ -130,7 +134,13 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
             return out
         from rbln_ray.emulator import compile_hf_model
 
-        logger.info("compiling %s for RBLN (%s); cached at %s", model_dir, settings, out)
+        logger.info(
+            "compiling %s for RBLN (%s) into %s; this runs once per model and settings",
+            model_dir,
+            settings,
+            out,
+        )
+        started = time.monotonic()
         with atomic_dir(out) as tmp:
             compile_hf_model(
                 model_dir,
@@ -141,7 +151,9 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
                 kvcache_partition_len=settings.kvcache_partition_len,
                 num_devices=settings.num_devices,
                 use_attention_mask=settings.use_attention_mask,
+                decoder_batch_sizes=settings.decoder_batch_sizes,
             )
+        logger.info("compiled %s in %.1f s", out.name, time.monotonic() - started)
     return out
 
 

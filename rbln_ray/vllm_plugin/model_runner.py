@@ -189,8 +189,15 @@ class RBLNModelRunner:
         for row in range(len(req_ids), bs):  # padding rows: each its own scratch block
             scratch = free[row - len(req_ids)] if row - len(req_ids) < len(free) else NO_BLOCK
             table[row, 0] = scratch
+        mask = None
+        if self.artifact.use_attention_mask:
+            # optimum's own decoder mask buffer is sized for the full batch; pass ours per call.
+            span = torch.arange(self.artifact.max_seq_len)
+            mask = (span.view(1, -1) <= cache_pos.view(-1, 1)).float().view(bs, 1, 1, -1)
         start_t = time.perf_counter()
-        out = self.model.decoders[bs](input_ids=ids, cache_position=cache_pos, block_tables=table)
+        out = self.model.decoders[bs](
+            input_ids=ids, cache_position=cache_pos, block_tables=table, attention_mask=mask
+        )
         self.stats.device_seconds += time.perf_counter() - start_t
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(req_ids)

@@ -16,6 +16,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from rbln_ray.emulator import is_emulated
 from rbln_ray.vllm_plugin.artifact import CompiledArtifact
 from rbln_ray.vllm_plugin.loader import load_compiled_model
 from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner
@@ -34,6 +35,10 @@ class RBLNWorker(WorkerBase):
 
     def init_device(self) -> None:
         self.device = torch.device("cpu")
+        if is_emulated():
+            # An emulated device computes on host cores; one thread each keeps several
+            # emulated devices on a small host from fighting over OpenMP barriers.
+            torch.set_num_threads(int(os.environ.get("RBLN_RAY_EMULATOR_THREADS", "1")))
         self.artifact = compiled_artifact(self.vllm_config)
         n = self.artifact.num_devices
         # Indices into this process's visible devices (RBLN_DEVICES, set by Ray per actor).

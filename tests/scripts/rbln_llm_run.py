@@ -1,0 +1,56 @@
+"""Run requests through ``vllm.LLM`` on the RBLN platform; print results as JSON.
+
+Tests run vLLM in a subprocess: vLLM resolves its platform once per process, and engines are
+heavy. Input (argv[1], JSON): ``{"model": dir, "llm_kwargs": {...}, "requests": [{"prompt":
+str | "prompt_token_ids": [...], "params": {SamplingParams fields}}], "rpc": [method, ...]}``.
+Output: one line ``RESULT {...}`` with per-request outputs and the collective_rpc results.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
+
+
+def _logprobs(lp):
+    if lp is None:
+        return None
+    return [{str(tok): v.logprob for tok, v in step.items()} for step in lp]
+
+
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+
+    spec = json.loads(sys.argv[1])
+    llm = LLM(model=spec["model"], seed=0, **spec.get("llm_kwargs", {}))
+    prompts, params = [], []
+    for req in spec["requests"]:
+        if "prompt" in req:
+            prompts.append(req["prompt"])
+        else:
+            prompts.append({"prompt_token_ids": req["prompt_token_ids"]})
+        params.append(SamplingParams(**req.get("params", {})))
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    result = {
+        "outputs": [
+            [
+                {
+                    "token_ids": list(c.token_ids),
+                    "text": c.text,
+                    "finish_reason": c.finish_reason,
+                    "logprobs": _logprobs(c.logprobs),
+                }
+                for c in o.outputs
+            ]
+            for o in outputs
+        ],
+        "rpc": {m: llm.collective_rpc(m) for m in spec.get("rpc", [])},
+        "config": {
+            "max_num_seqs": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
+            "max_model_len": llm.llm_engine.vllm_config.model_config.max_model_len,
+            "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+            "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+        },
+    }
+    print("RESULT " + json.dumps(result), flush=True)
