@@ -28,8 +28,9 @@ test: setup
 lint:
 	$(BIN)/ruff check .
 
+# The main job: the embedded default (demo model, 2 replicas, emulated ATOM, local Ray).
 demo: setup
-	$(BIN)/rbln-ray demo
+	$(BIN)/rbln-ray serve
 
 clean:
 	rm -rf $(VENV) build *.egg-info

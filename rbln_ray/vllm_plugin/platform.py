@@ -117,6 +117,14 @@ def _sync_parallel(vllm_config: VllmConfig) -> None:
         parallel.distributed_executor_backend = RAY_EXECUTOR_CLS
     elif parallel.distributed_executor_backend in (None, "mp"):
         parallel.distributed_executor_backend = "uni"
+    backend = parallel.distributed_executor_backend
+    if backend == RAY_EXECUTOR_CLS or (
+        isinstance(backend, type) and backend.__module__.startswith("rbln_ray.executor")
+    ):
+        # The engine core starts in a new process: tell it which Ray cluster the driver uses.
+        from rbln_ray.executor.cluster import remember_driver_cluster
+
+        remember_driver_cluster(vllm_config)
 
 
 class RBLNPlatform(CpuPlatform):

@@ -1,0 +1,1 @@
+"""The ``rbln-ray`` command line: serve, compile, devices, build-model."""

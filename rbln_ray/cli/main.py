@@ -1,0 +1,128 @@
+"""Entry point of the ``rbln-ray`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rbln_ray.logging_setup import setup_logging
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from rbln_ray.cli.runtime_choice import choose_runtime
+    from rbln_ray.emulator import compile_hf_model
+
+    choose_runtime()
+    sizes = (
+        [int(s) for s in args.decoder_batch_sizes.split(",")] if args.decoder_batch_sizes else None
+    )
+    out = compile_hf_model(
+        args.hf_dir,
+        args.out_dir,
+        batch_size=args.batch_size,
+        max_seq_len=args.max_seq_len,
+        attn_impl=args.attn_impl,
+        kvcache_partition_len=args.kvcache_partition_len,
+        num_devices=args.num_devices,
+        decoder_batch_sizes=sizes,
+    )
+    print(f"compiled model written to {out}")
+    return 0
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    from rbln_ray.cli.runtime_choice import choose_runtime
+
+    if choose_runtime() != "emulated":
+        import rebel
+
+        print(f"{'ID':>3}  NAME")
+        for i in range(rebel.device_count()):
+            print(f"{i:>3}  {rebel.get_npu_name(i)}")
+        return 0
+    from rbln_ray.emulator import list_devices
+
+    rows = list_devices()
+    print(f"{'ID':>3}  {'NAME':<10} {'MEMORY (MiB)':>19}  {'PID':>8}  NODE")
+    for d in rows:
+        mem = f"{d.memory_used / 2**20:.0f} / {d.memory_total / 2**20:.0f}"
+        pid = str(d.pid) if d.pid else "-"
+        hidden = "" if d.visible else " (hidden)"
+        print(f"{d.id:>3}  {d.name:<10} {mem:>19}  {pid:>8}  {d.node}{hidden}")
+    return 0
+
+
+def cmd_build_model(args: argparse.Namespace) -> int:
+    from rbln_ray.models import build_tiny_model, demo_model_dir
+
+    if args.family == "demo":
+        print(demo_model_dir())
+        return 0
+    path = build_tiny_model(
+        family=args.family,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        intermediate_size=args.intermediate_size,
+        out_dir=args.out,
+    )
+    print(path)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from rbln_ray.cli.serve_cmd import run
+
+    return run(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rbln-ray", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve models over OpenAI-compatible HTTP (Ray Serve)")
+    s.add_argument("--config", help="YAML config (default: the embedded demo, 2 replicas)")
+    s.add_argument("--host", help="bind address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    s.add_argument("--api-key", help="require this bearer token on /v1 routes")
+    s.add_argument(
+        "--address", help="Ray cluster to join (default: RAY_ADDRESS or a new local one)"
+    )
+    s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("compile", help="compile an HF model directory with optimum-rbln")
+    c.add_argument("hf_dir")
+    c.add_argument("out_dir")
+    c.add_argument("--batch-size", type=int, default=4)
+    c.add_argument("--max-seq-len", type=int, required=True)
+    c.add_argument("--attn-impl", choices=["eager", "flash_attn"], default="eager")
+    c.add_argument("--kvcache-partition-len", type=int)
+    c.add_argument("--num-devices", type=int, default=1)
+    c.add_argument("--decoder-batch-sizes", help="comma list, e.g. 4,2,1")
+    c.set_defaults(func=cmd_compile)
+
+    d = sub.add_parser("devices", help="list RBLN devices (real or emulated)")
+    d.set_defaults(func=cmd_devices)
+
+    b = sub.add_parser("build-model", help="build a local test model (or train the demo model)")
+    b.add_argument("family", choices=["llama", "qwen2", "qwen3", "mistral", "demo"])
+    b.add_argument("--out", type=Path)
+    b.add_argument("--hidden-size", type=int, default=128)
+    b.add_argument("--num-layers", type=int, default=2)
+    b.add_argument("--num-heads", type=int, default=4)
+    b.add_argument("--num-kv-heads", type=int, default=2)
+    b.add_argument("--intermediate-size", type=int, default=256)
+    b.set_defaults(func=cmd_build_model)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
+    args = parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,378 @@
+"""``RBLNRayExecutor``: vLLM's executor that runs RBLN workers as Ray actors.
+
+See the package docstring for usage and the compiled-artifact location rule.
+
+Failure model (why it is shaped like this): vLLM's engine thread blocks in ``future.result()``
+for every step, so a dead worker must make that call raise, not hang. Two paths make sure:
+
+* every wait on worker results is a ``ray.wait`` loop that fetches finished refs at once
+  (a dead actor's refs finish with ``RayActorError``) and re-checks the executor's failed
+  flag every second;
+* a monitor thread waits on one never-returning ``sentinel`` call per actor; when one
+  finishes, the actor is dead: the executor marks itself failed, fires vLLM's failure
+  callback (which wakes an idle engine loop so it reports the error) and frees the other
+  actors and the placement group, so the devices are free for a new engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.outputs import ModelRunnerOutput
+
+from rbln_ray.executor import placement
+from rbln_ray.executor.actor import LIVENESS_GROUP, RBLNWorkerActor
+from rbln_ray.executor.cluster import connect, worker_env
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 1.0  # how often blocked waits re-check the failed flag
+STOP_TIMEOUT_S = 15.0  # bound on graceful worker shutdown and on waiting for actors to die
+
+
+class RBLNWorkerDiedError(RuntimeError):
+    """A worker actor died; the engine cannot continue."""
+
+
+@dataclass
+class _Worker:
+    rank: int
+    actor: Any
+    bundle_index: int
+    node_id: str = ""
+    node_ip: str = ""
+    rbln_devices: str | None = None
+    sentinel: Any = None
+
+    def describe(self) -> str:
+        return (
+            f"RBLN worker rank {self.rank} (node {self.node_id[:8]} {self.node_ip}, "
+            f"RBLN_DEVICES={self.rbln_devices})"
+        )
+
+
+class _RefsFuture(Future):
+    """A ``Future`` over worker refs, resolved lazily by the caller's ``result()``.
+
+    Lazily, so the wait runs in the engine thread with the executor's failure checks.
+    """
+
+    def __init__(self, executor: RBLNRayExecutor, refs: list[Any], single_value: bool) -> None:
+        super().__init__()
+        self._executor = executor
+        self._refs = refs
+        self._single = single_value
+
+    def done(self) -> bool:
+        if super().done():
+            return True
+        ready, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0)
+        return len(ready) == len(self._refs)
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not super().done():
+            try:
+                values = self._executor._wait(self._refs, timeout)
+            except TimeoutError:
+                raise  # still pending: the caller may wait again
+            except BaseException as e:  # noqa: BLE001 - stored and re-raised by Future
+                self.set_exception(e)
+            else:
+                self.set_result(values[0] if self._single else values)
+        return super().result()
+
+
+class RBLNRayExecutor(Executor):
+    """Runs one ``RBLNWorker`` per placement-group bundle, each a Ray actor on RBLN devices."""
+
+    uses_ray: bool = True
+    supports_pp: bool = False
+
+    def _init_executor(self) -> None:
+        from rbln_ray.vllm_plugin.platform import compiled_artifact
+
+        self._lock = threading.Lock()
+        self._failed: str | None = None
+        self._failure_callback: Callable[[], None] | None = None
+        self._stopping = threading.Event()
+        self._workers: list[_Worker] = []
+        self._resources = _Resources(self._workers)
+        self._monitor: threading.Thread | None = None
+
+        connect(self.vllm_config)
+        artifact = compiled_artifact(self.vllm_config)
+        plan = placement.PlacementPlan.from_config(self.vllm_config, artifact.num_devices)
+        existing = self.parallel_config.placement_group or ray.util.get_current_placement_group()
+        pg, bundles, owns_pg = placement.acquire(existing, plan)
+        self._resources.pg, self._resources.owns_pg = pg, owns_pg
+        # Released at interpreter exit too, if nobody called shutdown.
+        weakref.finalize(self, self._resources.release)
+        try:
+            self._start_workers(plan, bundles)
+            self._start_monitor()
+            self.collective_rpc("init_device")
+            self.collective_rpc("load_model")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- start-up -------------------------------------------------------------------------
+
+    def _runtime_env(self) -> dict[str, Any]:
+        base = self.parallel_config.ray_runtime_env
+        runtime_env: dict[str, Any] = dict(base) if base else {}
+        env_vars = dict(runtime_env.get("env_vars") or {})
+        env_vars.update(worker_env())
+        runtime_env["env_vars"] = env_vars
+        return runtime_env
+
+    def _start_workers(self, plan: placement.PlacementPlan, bundles: list[int]) -> None:
+        runtime_env = self._runtime_env()
+        for rank, bundle_index in enumerate(bundles):
+            actor = (
+                ray.remote(concurrency_groups={LIVENESS_GROUP: 1})(RBLNWorkerActor)
+                .options(
+                    num_cpus=0,
+                    resources={placement.DEVICE_KEY: plan.devices_per_worker},
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self._resources.pg,
+                        placement_group_bundle_index=bundle_index,
+                        placement_group_capture_child_tasks=True,
+                    ),
+                    runtime_env=runtime_env,
+                    max_restarts=0,
+                )
+                .remote()
+            )
+            self._workers.append(_Worker(rank=rank, actor=actor, bundle_index=bundle_index))
+
+        where = self._wait([w.actor.placement.remote() for w in self._workers], None)
+        for worker, info in zip(self._workers, where, strict=True):
+            worker.node_id = info["node_id"]
+            worker.node_ip = info["node_ip"]
+            worker.rbln_devices = info["rbln_devices"]
+            logger.info(
+                "%s started (pid %s, bundle %d)",
+                worker.describe(),
+                info["pid"],
+                worker.bundle_index,
+            )
+        self._wait(
+            [
+                w.actor.init_worker.remote(self.vllm_config, w.rank, w.rank == 0)
+                for w in self._workers
+            ],
+            None,
+        )
+
+    def _start_monitor(self) -> None:
+        for worker in self._workers:
+            worker.sentinel = worker.actor.sentinel.remote()
+        self._monitor = threading.Thread(
+            target=_monitor_loop, args=(weakref.ref(self),), daemon=True, name="RBLNRayMonitor"
+        )
+        self._monitor.start()
+
+    # -- RPC ------------------------------------------------------------------------------
+
+    def collective_rpc(  # type: ignore[override]
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        single_value: bool = False,
+    ) -> Any:
+        self._raise_if_failed()
+        sent = method if isinstance(method, str) else cloudpickle.dumps(method)
+        refs = [w.actor.execute_method.remote(sent, *args, **(kwargs or {})) for w in self._workers]
+        if non_block:
+            return _RefsFuture(self, refs, single_value)
+        values = self._wait(refs, timeout)
+        return values[0] if single_value else values
+
+    def execute_model(  # type: ignore[override]
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
+        return self.collective_rpc(
+            "execute_model", args=(scheduler_output,), non_block=non_block, single_value=True
+        )
+
+    def sample_tokens(  # type: ignore[override]
+        self, grammar_output: GrammarOutput | None, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        return self.collective_rpc(
+            "sample_tokens", args=(grammar_output,), non_block=non_block, single_value=True
+        )
+
+    def _wait(self, refs: list[Any], timeout: float | None) -> list[Any]:
+        """``ray.get`` that raises at once when any worker fails or the executor is failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending = list(refs)
+        while pending:
+            self._raise_if_failed()
+            budget = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            if budget <= 0:
+                raise TimeoutError(f"RBLN workers did not answer within {timeout} s")
+            ready, pending = ray.wait(pending, num_returns=1, timeout=budget)
+            for ref in ready:
+                self._get_one(ref)  # surfaces a worker's error or death now
+        return [self._get_one(ref) for ref in refs]
+
+    def _get_one(self, ref: Any) -> Any:
+        try:
+            return ray.get(ref, timeout=0)
+        except GetTimeoutError:
+            raise TimeoutError("RBLN worker result not ready") from None
+        except RayActorError as e:
+            worker = next((w for w in self._workers if w.actor._actor_id.hex() == e.actor_id), None)
+            who = worker.describe() if worker else "an RBLN worker"
+            reason = f"{who} died: {_first_line(e)}"
+            self._fail(reason)
+            raise RBLNWorkerDiedError(reason) from e
+
+    # -- health and failure ---------------------------------------------------------------
+
+    def check_health(self) -> None:
+        self._raise_if_failed()
+        sentinels = [w.sentinel for w in self._workers if w.sentinel is not None]
+        done, _ = ray.wait(sentinels, num_returns=1, timeout=0) if sentinels else ([], [])
+        if done:
+            self._on_sentinel(done[0])
+            self._raise_if_failed()
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if self._failed is None:
+                self._failure_callback = callback
+                return
+        callback()
+
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise RBLNWorkerDiedError(self._failed)
+
+    def _on_sentinel(self, ref: Any) -> None:
+        worker = next(w for w in self._workers if w.sentinel == ref)
+        try:
+            ray.get(ref, timeout=0)
+            why = "its liveness call returned"
+        except Exception as e:  # noqa: BLE001 - any error here means the actor is gone
+            why = _first_line(e)
+        self._fail(f"{worker.describe()} died: {why}")
+
+    def _fail(self, reason: str) -> None:
+        """Enter the permanent failed state once: log, notify vLLM, free devices."""
+        with self._lock:
+            if self._failed is not None or self._stopping.is_set():
+                return
+            self._failed = reason
+            callback, self._failure_callback = self._failure_callback, None
+        logger.error("RBLN Ray executor failed: %s", reason)
+        if callback is not None:
+            callback()
+        self._resources.release()
+
+    # -- shutdown -------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop workers, kill their actors and remove the placement group (idempotent).
+
+        Returns once the actors are dead (bounded), so their devices are free for a new
+        engine as soon as this returns.
+        """
+        if not hasattr(self, "_stopping"):
+            return  # __init__ failed before any state existed
+        with self._lock:
+            already = self._stopping.is_set()
+            self._stopping.set()
+        if not already:
+            monitor = self._monitor
+            if monitor is not None and monitor is not threading.current_thread():
+                monitor.join(timeout=2 * POLL_S + 1)
+            if self._failed is None and self._workers:
+                try:
+                    refs = [w.actor.execute_method.remote("shutdown") for w in self._workers]
+                    ray.wait(refs, num_returns=len(refs), timeout=STOP_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 - best effort; the actors are killed next
+                    logger.warning("graceful RBLN worker shutdown failed", exc_info=True)
+        self._resources.release()
+
+
+@dataclass
+class _Resources:
+    """What an executor holds in the cluster; released once, by whoever gets there first.
+
+    Separate from the executor so a ``weakref.finalize`` can release it at exit without
+    keeping the executor alive. Later callers block until the first release has finished,
+    so "released" always means "actors dead and placement group gone".
+    """
+
+    workers: list[_Worker]
+    pg: Any = None
+    owns_pg: bool = False
+    released: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def release(self) -> None:
+        with self.lock:
+            if self.released:
+                return
+            self.released = True
+            if not ray.is_initialized():
+                return
+            for worker in self.workers:
+                try:
+                    ray.kill(worker.actor, no_restart=True)
+                except Exception:  # noqa: BLE001 - already dead is fine
+                    logger.debug("ray.kill(%s) failed", worker.describe(), exc_info=True)
+            sentinels = [w.sentinel for w in self.workers if w.sentinel is not None]
+            if sentinels:  # a killed actor's sentinel fails once Ray has reaped its process
+                ray.wait(sentinels, num_returns=len(sentinels), timeout=STOP_TIMEOUT_S)
+            if self.pg is not None and self.owns_pg:
+                try:
+                    remove_placement_group(self.pg)
+                except Exception:  # noqa: BLE001
+                    logger.warning("could not remove the placement group", exc_info=True)
+            logger.info("RBLN Ray executor released %d worker(s)", len(self.workers))
+
+
+def _monitor_loop(executor_ref: weakref.ref[RBLNRayExecutor]) -> None:
+    """Wait on the actors' sentinels; the first to finish means that actor died."""
+    while True:
+        executor = executor_ref()
+        if executor is None or executor._stopping.is_set() or executor._failed is not None:
+            return
+        sentinels = [w.sentinel for w in executor._workers]
+        del executor  # don't keep the executor alive while waiting
+        if not ray.is_initialized():
+            return
+        try:
+            done, _ = ray.wait(sentinels, num_returns=1, timeout=POLL_S)
+        except Exception:  # noqa: BLE001 - Ray going away under us ends monitoring
+            logger.debug("RBLN monitor stopped", exc_info=True)
+            return
+        executor = executor_ref()
+        if done and executor is not None and not executor._stopping.is_set():
+            executor._on_sentinel(done[0])
+            return
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,73 @@
+"""Build the Serve application from an :class:`~rbln_ray.serve.config.AppConfig`.
+
+``build_app`` is the import path for ``serve run`` / ``serve deploy`` / KubeRay
+(``import_path: rbln_ray.serve:build_app`` with the config under ``args``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from rbln_ray.serve.config import DEMO_MODEL, AppConfig, ModelDeploymentConfig, load_config
+from rbln_ray.serve.ingress import OpenAIIngress, app
+from rbln_ray.serve.server import LLMServer
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "rbln-ray"
+INGRESS_NAME = "OpenAIIngress"
+
+
+def server_deployment_name(model_name: str) -> str:
+    return f"LLMServer:{model_name}"
+
+
+def devices_per_worker(cfg: ModelDeploymentConfig) -> int:
+    """RBLN devices each worker actor holds: the compiled artifact's shard group size."""
+    from rbln_ray.vllm_plugin.artifact import CompiledArtifact, is_compiled_dir
+
+    if cfg.devices_per_worker is not None:
+        return cfg.devices_per_worker
+    if cfg.model != DEMO_MODEL and is_compiled_dir(cfg.model):
+        return CompiledArtifact.load(cfg.model).num_devices
+    return int(cfg.compile.get("num_devices", 1))
+
+
+def server_bundles(cfg: ModelDeploymentConfig) -> list[dict[str, float]]:
+    """Replica placement group: the replica itself, then one RBLN bundle per worker."""
+    devices = devices_per_worker(cfg)
+    return [{"CPU": 1}] + [{"RBLN": devices, "CPU": 1} for _ in range(cfg.pipeline_stages)]
+
+
+def build_server(cfg: ModelDeploymentConfig) -> Application:
+    options: dict[str, Any] = {
+        "name": server_deployment_name(cfg.name),
+        "placement_group_bundles": server_bundles(cfg),
+        "placement_group_strategy": cfg.placement_strategy,
+        "max_ongoing_requests": cfg.max_ongoing_requests,
+        "health_check_period_s": 5,
+        "health_check_timeout_s": 30,
+        "graceful_shutdown_timeout_s": 30,
+        "ray_actor_options": {"num_cpus": 0},
+    }
+    if cfg.autoscaling_config is not None:
+        options["autoscaling_config"] = cfg.autoscaling_config
+    else:
+        options["num_replicas"] = cfg.num_replicas
+    return serve.deployment(LLMServer).options(**options).bind(cfg.model_dump())
+
+
+def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
+    """Serve application builder: ``serve run rbln_ray.serve:build_app config=...``."""
+    if isinstance(args, dict) and set(args) == {"config"}:  # serve run ... config=FILE
+        args = args["config"]
+    config = load_config(args)
+    servers = {m.name: build_server(m) for m in config.models}
+    ingress = serve.deployment(serve.ingress(app)(OpenAIIngress)).options(
+        name=INGRESS_NAME, ray_actor_options={"num_cpus": 0}
+    )
+    return ingress.bind(servers, config.resolved_api_key())

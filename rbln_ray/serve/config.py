@@ -1,0 +1,118 @@
+"""The serving configuration: one validated document for ``serve run``, ``serve deploy``,
+``rbln-ray serve --config`` and KubeRay's ``serveConfigV2``.
+
+Example (YAML)::
+
+    host: 127.0.0.1          # used by `rbln-ray serve`; `serve run/deploy` take http_options
+    port: 8000
+    api_key: null            # or a string; `api_key_env` names an env var instead
+    routing: load_aware      # or prefix_affinity
+    models:
+      - name: demo
+        model: demo          # "demo", a compiled optimum-rbln dir, or an HF dir
+        compile: {batch_size: 4, max_seq_len: 1024}   # only for HF dirs
+        num_replicas: 2      # or autoscaling_config: {min_replicas: 1, max_replicas: 4}
+        placement_strategy: PACK
+        engine_kwargs: {}    # any `vllm serve` option, by its Python name
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DEMO_MODEL = "demo"
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelDeploymentConfig(_Strict):
+    """One served model: where it comes from and how many devices/replicas it gets."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._:/-]+$")
+    model: str = Field(description='"demo", a compiled optimum-rbln dir, or an HF model dir')
+    compile: dict[str, Any] = Field(default_factory=dict)
+    num_replicas: int | None = Field(default=None, ge=1)
+    autoscaling_config: dict[str, Any] | None = None
+    pipeline_stages: int = Field(default=1, ge=1)
+    devices_per_worker: int | None = Field(default=None, ge=1)
+    placement_strategy: PlacementStrategy = "PACK"
+    placement_timeout_s: float = Field(default=120.0, gt=0)
+    max_ongoing_requests: int = Field(default=64, ge=1)
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _replicas(self) -> ModelDeploymentConfig:
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError("set either num_replicas or autoscaling_config, not both")
+        if self.num_replicas is None and self.autoscaling_config is None:
+            self.num_replicas = 1
+        return self
+
+    @field_validator("model")
+    @classmethod
+    def _model_exists(cls, value: str) -> str:
+        if value != DEMO_MODEL and not Path(value).is_dir():
+            raise ValueError(f"model directory {value!r} does not exist")
+        return value
+
+    @field_validator("compile")
+    @classmethod
+    def _compile_settings(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from rbln_ray.vllm_plugin.loader import CompileSettings
+
+        CompileSettings.from_dict(value)  # raises naming unknown or invalid settings
+        return value
+
+
+class AppConfig(_Strict):
+    """The whole rbln-ray Serve application."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    api_key: str | None = None
+    api_key_env: str | None = None
+    routing: Literal["load_aware", "prefix_affinity"] = "load_aware"
+    models: list[ModelDeploymentConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> AppConfig:
+        names = [m.name for m in self.models]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"model names must be unique; repeated: {duplicates}")
+        return self
+
+    def resolved_api_key(self) -> str | None:
+        if self.api_key_env:
+            key = os.environ.get(self.api_key_env)
+            if not key:
+                raise ValueError(f"api_key_env={self.api_key_env!r} is not set")
+            return key
+        return self.api_key
+
+
+def load_config(source: str | Path | dict[str, Any] | AppConfig) -> AppConfig:
+    """Validate a config given as a YAML path, a dict (Serve ``args``), or an ``AppConfig``."""
+    if isinstance(source, AppConfig):
+        return source
+    if isinstance(source, dict):
+        return AppConfig.model_validate(source)
+    data = yaml.safe_load(Path(source).read_text())
+    if isinstance(data, dict) and "applications" in data:  # a Serve config file
+        data = data["applications"][0].get("args", {})
+    return AppConfig.model_validate(data)
+
+
+def embedded_default() -> AppConfig:
+    """``rbln-ray serve`` with no arguments: the demo model, two replicas, localhost:8000."""
+    return AppConfig(
+        models=[ModelDeploymentConfig(name=DEMO_MODEL, model=DEMO_MODEL, num_replicas=2)]
+    )

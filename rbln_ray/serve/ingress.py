@@ -1,0 +1,162 @@
+"""The HTTP ingress: OpenAI-compatible routes in front of one server deployment per model.
+
+Requests are validated here with vLLM's own protocol models (so a malformed body is a 400
+with an OpenAI-style error body before it costs a replica anything), routed by their
+``model`` field, and relayed to the model's server through a streaming ``DeploymentHandle``.
+A client that disconnects cancels the handle call, which aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from vllm.exceptions import VLLMClientError
+
+logger = logging.getLogger(__name__)
+
+app = FastAPI(title="rbln-ray", description="OpenAI-compatible serving on Rebellions RBLN NPUs")
+
+
+def error_response(status: int, message: str, err_type: str | None = None) -> JSONResponse:
+    """An OpenAI-style error body, built by vLLM's own ``create_error_response``."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    kind = err_type or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    body = create_error_response(message, kind, HTTPStatus(status)).model_dump()
+    return JSONResponse(body, status_code=status)
+
+
+def validation_message(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ())) or "body"
+        parts.append(f"{where}: {err.get('msg')}")
+    return "; ".join(parts)
+
+
+class OpenAIIngress:
+    """FastAPI ingress; ``servers`` maps served model names to their deployment handles."""
+
+    def __init__(self, servers: dict[str, Any], api_key: str | None) -> None:
+        from ray import serve
+
+        self.servers = servers
+        self.api_key = api_key
+        self.app_name = serve.get_replica_context().app_name
+
+    # ---------------------------------------------------------------- helpers
+    def _unauthorized(self, request: Request) -> JSONResponse | None:
+        if not self.api_key:
+            return None
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            return error_response(401, "missing or invalid API key", "AuthenticationError")
+        return None
+
+    async def _parse(self, request: Request, model_cls: type) -> Any:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return error_response(400, f"request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object")
+        try:
+            parsed = model_cls.model_validate(body)
+        except ValidationError as exc:
+            return error_response(400, validation_message(exc))
+        except (VLLMClientError, ValueError) as exc:  # vLLM's own request checks
+            return error_response(400, str(exc))
+        known = ", ".join(sorted(self.servers))
+        if not parsed.model:
+            return error_response(400, f"model: field required (served models: {known})")
+        if parsed.model not in self.servers:
+            return error_response(
+                404,
+                f"model {parsed.model!r} does not exist; served models: {known}",
+                "NotFoundError",
+            )
+        return parsed
+
+    async def _relay(self, parsed: Any, method: str) -> Response:
+        """Call the model's server and turn its stream into a JSON or SSE response."""
+        handle = self.servers[parsed.model].options(stream=True)
+        stream = getattr(handle, method).remote(parsed)
+        try:
+            first = await stream.__anext__()
+        except Exception as exc:  # noqa: BLE001 - any replica failure is this request's 5xx
+            logger.warning("model %s failed a request: %s", parsed.model, exc)
+            return error_response(503, f"model {parsed.model!r} failed: {type(exc).__name__}")
+        if isinstance(first, dict):
+            status = first.get("error", {}).get("code", 200) if "error" in first else 200
+            return JSONResponse(first, status_code=status)
+
+        async def sse() -> AsyncIterator[str]:
+            yield first
+            try:
+                async for chunk in stream:
+                    yield chunk
+            except Exception as exc:  # noqa: BLE001 - end the stream with an error event
+                logger.warning("model %s failed mid-stream: %s", parsed.model, exc)
+                error = {
+                    "message": f"model failed: {type(exc).__name__}",
+                    "type": "ServerError",
+                    "param": None,
+                    "code": 503,
+                }
+                yield f"data: {json.dumps({'error': error})}\n\n"
+                yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    # ---------------------------------------------------------------- routes
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        denied = self._unauthorized(request)
+        if denied:
+            return denied
+        parsed = await self._parse(request, CompletionRequest)
+        return parsed if isinstance(parsed, Response) else await self._relay(parsed, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        denied = self._unauthorized(request)
+        if denied:
+            return denied
+        parsed = await self._parse(request, ChatCompletionRequest)
+        return parsed if isinstance(parsed, Response) else await self._relay(parsed, "chat")
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        denied = self._unauthorized(request)
+        if denied:
+            return denied
+        data: list[dict[str, Any]] = []
+        for handle in self.servers.values():
+            data.extend((await handle.models.remote())["data"])
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        """200 when every model deployment is healthy; 503 naming the ones that are not."""
+        from ray import serve
+
+        app_status = serve.status().applications.get(self.app_name)
+        if app_status is None:
+            return JSONResponse({"status": "unknown application"}, status_code=503)
+        deployments = {name: d.status.value for name, d in app_status.deployments.items()}
+        healthy = all(s == "HEALTHY" for s in deployments.values())
+        body = {"status": "ok" if healthy else "degraded", "deployments": deployments}
+        return JSONResponse(body, status_code=200 if healthy else 503)

@@ -1,0 +1,74 @@
+"""A Serve app on a local Ray instance with emulated ATOM devices, shared by a module."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+API_KEY = "test-secret"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningApp:
+    url: str
+    api_key: str | None
+    gcs_address: str
+    model_dir: Path
+
+
+def start_app(config: dict, port: int, model_dir: Path) -> RunningApp:
+    import ray
+    from ray import serve
+
+    from rbln_ray.serve import APP_NAME, build_app, load_config
+
+    os.environ["RBLN_RAY_DEVICE"] = "emulated"
+    ray.init(address="local", num_cpus=8, resources={"RBLN": 4}, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app_config = load_config(config)
+    serve.run(build_app(app_config), name=APP_NAME, route_prefix="/")
+    return RunningApp(
+        url=f"http://127.0.0.1:{port}",
+        api_key=app_config.api_key,
+        gcs_address=ray.get_runtime_context().gcs_address,
+        model_dir=model_dir,
+    )
+
+
+def stop_app() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def demo_app() -> Iterator[RunningApp]:
+    """The demo model (compiled, batch 4) with 2 replicas and an API key."""
+    from rbln_ray.cli.serve_cmd import DEMO_COMPILE
+    from rbln_ray.models import demo_model_dir
+    from rbln_ray.vllm_plugin.loader import CompileSettings, resolve_compiled_dir
+
+    hf_dir = demo_model_dir()
+    compiled = resolve_compiled_dir(hf_dir, CompileSettings.from_dict(DEMO_COMPILE))
+    config = {
+        "api_key": API_KEY,
+        "models": [{"name": "demo", "model": str(compiled), "num_replicas": 2}],
+    }
+    app = start_app(config, free_port(), hf_dir)
+    try:
+        yield app
+    finally:
+        stop_app()
