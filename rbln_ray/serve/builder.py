@@ -14,6 +14,7 @@ from ray.serve import Application
 
 from rbln_ray.serve.config import DEMO_MODEL, AppConfig, ModelDeploymentConfig, load_config
 from rbln_ray.serve.ingress import OpenAIIngress, app
+from rbln_ray.serve.metrics import MetricsHub
 from rbln_ray.serve.server import LLMServer
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def server_bundles(cfg: ModelDeploymentConfig) -> list[dict[str, float]]:
     return [{"CPU": 1}] + [{"RBLN": devices, "CPU": 1} for _ in range(cfg.pipeline_stages)]
 
 
-def build_server(cfg: ModelDeploymentConfig) -> Application:
+def build_server(cfg: ModelDeploymentConfig, metrics_hub: Application) -> Application:
     options: dict[str, Any] = {
         "name": server_deployment_name(cfg.name),
         "placement_group_bundles": server_bundles(cfg),
@@ -58,7 +59,7 @@ def build_server(cfg: ModelDeploymentConfig) -> Application:
         options["autoscaling_config"] = cfg.autoscaling_config
     else:
         options["num_replicas"] = cfg.num_replicas
-    return serve.deployment(LLMServer).options(**options).bind(cfg.model_dump())
+    return serve.deployment(LLMServer).options(**options).bind(cfg.model_dump(), metrics_hub)
 
 
 def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
@@ -66,8 +67,13 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
     if isinstance(args, dict) and set(args) == {"config"}:  # serve run ... config=FILE
         args = args["config"]
     config = load_config(args)
-    servers = {m.name: build_server(m) for m in config.models}
+    hub = (
+        serve.deployment(MetricsHub)
+        .options(name="MetricsHub", num_replicas=1, ray_actor_options={"num_cpus": 0})
+        .bind()
+    )
+    servers = {m.name: build_server(m, hub) for m in config.models}
     ingress = serve.deployment(serve.ingress(app)(OpenAIIngress)).options(
         name=INGRESS_NAME, ray_actor_options={"num_cpus": 0}
     )
-    return ingress.bind(servers, config.resolved_api_key())
+    return ingress.bind(servers, config.resolved_api_key(), hub)

@@ -45,10 +45,11 @@ def validation_message(exc: ValidationError) -> str:
 class OpenAIIngress:
     """FastAPI ingress; ``servers`` maps served model names to their deployment handles."""
 
-    def __init__(self, servers: dict[str, Any], api_key: str | None) -> None:
+    def __init__(self, servers: dict[str, Any], api_key: str | None, metrics_hub: Any) -> None:
         from ray import serve
 
         self.servers = servers
+        self.metrics_hub = metrics_hub
         self.api_key = api_key
         self.app_name = serve.get_replica_context().app_name
 
@@ -147,6 +148,12 @@ class OpenAIIngress:
         for handle in self.servers.values():
             data.extend((await handle.models.remote())["data"])
         return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        """Prometheus text: vLLM engine metrics and RBLN device counters, per replica."""
+        text = await self.metrics_hub.render.remote()
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/health")
     async def health(self) -> Response:

@@ -12,6 +12,7 @@ dict (a full response, or ``{"error": ...}``) or the SSE lines of a streaming re
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -59,7 +60,7 @@ def engine_namespace(cfg: ModelDeploymentConfig, model_path: str):
 class LLMServer:
     """Hosts one engine for one model (a Serve replica)."""
 
-    async def __init__(self, cfg: dict[str, Any]) -> None:
+    async def __init__(self, cfg: dict[str, Any], metrics_hub: Any = None) -> None:
         import ray
         from starlette.datastructures import State
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -86,7 +87,35 @@ class LLMServer:
         self.state = State()
         tasks = await self.engine.get_supported_tasks()
         await init_app_state(self.engine, self.state, args, tasks)
+        self._metrics_task = (
+            asyncio.create_task(self._push_metrics(metrics_hub)) if metrics_hub else None
+        )
         logger.info("model %s ready in replica pid %d", self.cfg.name, os.getpid())
+
+    async def metrics_text(self) -> str:
+        """This replica's vLLM metrics (Prometheus text) plus its RBLN workers' counters."""
+        import prometheus_client
+
+        from rbln_ray.serve.metrics import device_metrics_text
+
+        infos = await self.engine.collective_rpc("device_info")
+        stats = await self.engine.collective_rpc("step_stats")
+        vllm_text = prometheus_client.generate_latest().decode()
+        return vllm_text + device_metrics_text(self.cfg.name, stats, infos)
+
+    async def _push_metrics(self, hub: Any) -> None:
+        """Feed the app's MetricsHub (see :mod:`rbln_ray.serve.metrics`) until shutdown."""
+        from ray import serve
+
+        from rbln_ray.serve.metrics import PUSH_PERIOD_S
+
+        replica = serve.get_replica_context().replica_id.unique_id
+        while True:
+            try:
+                await hub.push.remote(f"{self.cfg.name}/{replica}", await self.metrics_text())
+            except Exception:  # noqa: BLE001 - metrics must never take the replica down
+                logger.debug("metrics push failed", exc_info=True)
+            await asyncio.sleep(PUSH_PERIOD_S)
 
     async def _serve(self, create: Any, request: Any) -> AsyncIterator[Any]:
         """Run a vLLM serving call and relay its result (see module docstring).
@@ -131,7 +160,10 @@ class LLMServer:
         """Worker placement and step counters of this replica's engine (tests, /metrics)."""
         infos = await self.engine.collective_rpc("device_info")
         stats = await self.engine.collective_rpc("step_stats")
-        return {"pid": os.getpid(), "workers": infos, "steps": stats}
+        import ray
+
+        actor = ray.get_runtime_context().get_actor_name()
+        return {"pid": os.getpid(), "actor_name": actor, "workers": infos, "steps": stats}
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

@@ -87,10 +87,13 @@ class RBLNWorker(WorkerBase):
         return self.model_runner.sample_tokens(grammar_output)
 
     def step_stats(self) -> dict:
-        """Runner counters (collective_rpc target for tests and benchmarks)."""
+        """Runner counters (collective_rpc target for tests, benchmarks and /metrics)."""
         from dataclasses import asdict
 
-        return asdict(self.model_runner.stats)
+        stats = asdict(self.model_runner.stats)
+        stats["slots_in_use"] = len(self.model_runner.requests)
+        stats["batch_size"] = self.artifact.batch_size
+        return stats
 
     def device_info(self) -> dict:
         """Where this worker runs: pid, node, the devices it pinned (collective_rpc target)."""

@@ -56,16 +56,20 @@ def stop_app() -> None:
 
 @pytest.fixture(scope="module")
 def demo_app() -> Iterator[RunningApp]:
-    """The demo model (compiled, batch 4) with 2 replicas and an API key."""
+    """The demo model (compiled, batch 4) with 2 replicas, a tiny Qwen2 beside it, an API key."""
     from rbln_ray.cli.serve_cmd import DEMO_COMPILE
     from rbln_ray.models import demo_model_dir
     from rbln_ray.vllm_plugin.loader import CompileSettings, resolve_compiled_dir
+    from tests.conftest import compiled_model
 
     hf_dir = demo_model_dir()
     compiled = resolve_compiled_dir(hf_dir, CompileSettings.from_dict(DEMO_COMPILE))
     config = {
         "api_key": API_KEY,
-        "models": [{"name": "demo", "model": str(compiled), "num_replicas": 2}],
+        "models": [
+            {"name": "demo", "model": str(compiled), "num_replicas": 2},
+            {"name": "qwen", "model": str(compiled_model("qwen2")), "num_replicas": 1},
+        ],
     }
     app = start_app(config, free_port(), hf_dir)
     try:

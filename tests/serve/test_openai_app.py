@@ -50,8 +50,23 @@ def test_openai_client_greedy_matches_transformers(demo_app: RunningApp) -> None
     streamed = client.chat.completions.create(messages=messages, stream=True, **kw)
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat_expected
 
-    models = client.models.list()
-    assert [m.id for m in models.data] == ["demo"]
+    assert sorted(m.id for m in client.models.list().data) == ["demo", "qwen"]
+
+
+def test_requests_are_routed_by_model_field(demo_app: RunningApp) -> None:
+    from rbln_ray.models import build_tiny_model
+
+    qwen_dir = build_tiny_model(family="qwen2")
+    prompt = [100, 200, 300, 400]
+    body = {"model": "qwen", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    r = httpx.post(f"{demo_app.url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen_dir)
+    expected = tok.decode(hf_greedy(qwen_dir, [prompt], 8)[0]).rstrip("\ufffd")
+    assert r.json()["model"] == "qwen"
+    assert r.json()["choices"][0]["text"] == expected
 
 
 def test_32_concurrent_requests_use_both_replicas_on_distinct_devices(
@@ -163,18 +178,44 @@ def test_client_handles_stream_from_another_process(demo_app: RunningApp) -> Non
     assert result["finish"] == "length" and result["chat"]
 
 
+def test_metrics_expose_engine_and_device_series_per_replica(demo_app: RunningApp) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = {"model": "demo", "prompt": "x = ", "max_tokens": 4}
+    assert (
+        httpx.post(
+            f"{demo_app.url}/v1/completions", json=body, headers=AUTH, timeout=120
+        ).status_code
+        == 200
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        text = httpx.get(f"{demo_app.url}/metrics", timeout=30).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        slots = families.get("rbln_batch_size")
+        replicas = {s.labels["replica"] for s in (slots.samples if slots else [])}
+        steps = families.get("rbln_decode_steps")  # the parser drops the _total suffix
+        decoded = sum(
+            s.value for s in (steps.samples if steps else []) if s.labels["model"] == "demo"
+        )
+        if len([r for r in replicas if r.startswith("demo/")]) == 2 and decoded >= 3:
+            break
+        assert time.monotonic() < deadline, f"replicas {replicas}, demo decode steps {decoded}"
+        time.sleep(0.5)  # polling interval: replicas push every few seconds
+    assert "vllm:num_requests_running" in families
+    assert "vllm:generation_tokens" in families
+    for sample in families["rbln_batch_size"].samples:
+        assert sample.value == 4 and sample.labels["devices"]
+
+
 def test_health_reflects_a_dead_replica(demo_app: RunningApp) -> None:
     """Runs last in this module: it kills a replica, then waits for Serve to replace it."""
     import ray
-    from ray.util.state import list_actors
+    from ray import serve
 
-    replicas = [
-        a
-        for a in list_actors(filters=[("state", "=", "ALIVE")])
-        if a.class_name.endswith("ServeReplica:rbln-ray:LLMServer:demo")
-    ]
-    assert len(replicas) == 2
-    ray.kill(ray.get_actor(replicas[0].name, namespace="serve"), no_restart=True)
+    handle = serve.get_deployment_handle("LLMServer:demo", "rbln-ray")
+    victim = handle.engine_stats.remote().result()["actor_name"]
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
 
     def health() -> int:
         return httpx.get(f"{demo_app.url}/health", timeout=30).status_code
