@@ -17,6 +17,22 @@ def cmd_compile(args: argparse.Namespace) -> int:
     sizes = (
         [int(s) for s in args.decoder_batch_sizes.split(",")] if args.decoder_batch_sizes else None
     )
+    if args.pipeline_stages > 1:
+        from rbln_ray.pipeline import compile_pipeline
+
+        out = compile_pipeline(
+            args.hf_dir,
+            args.out_dir,
+            args.pipeline_stages,
+            batch_size=args.batch_size,
+            max_seq_len=args.max_seq_len,
+            attn_impl=args.attn_impl,
+            kvcache_partition_len=args.kvcache_partition_len,
+            num_devices=args.num_devices,
+            decoder_batch_sizes=sizes,
+        )
+        print(f"{args.pipeline_stages}-stage pipeline written to {out}")
+        return 0
     out = compile_hf_model(
         args.hf_dir,
         args.out_dir,
@@ -101,6 +117,12 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--kvcache-partition-len", type=int)
     c.add_argument("--num-devices", type=int, default=1)
     c.add_argument("--decoder-batch-sizes", help="comma list, e.g. 4,2,1")
+    c.add_argument(
+        "--pipeline-stages",
+        type=int,
+        default=1,
+        help="split the decoder into S stages by layers, one worker (and device set) each",
+    )
     c.set_defaults(func=cmd_compile)
 
     d = sub.add_parser("devices", help="list RBLN devices (real or emulated)")
@@ -115,6 +137,12 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--num-kv-heads", type=int, default=2)
     b.add_argument("--intermediate-size", type=int, default=256)
     b.set_defaults(func=cmd_build_model)
+
+    from rbln_ray.cli import plan_cmd
+
+    pl = sub.add_parser("plan", help="estimate ATOM cards, devices per worker and replicas")
+    plan_cmd.add_arguments(pl)
+    pl.set_defaults(func=plan_cmd.run)
     return p
 
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from rbln_ray.emulator import devices
+from rbln_ray.emulator import devices, timing
 from rbln_ray.emulator.compiled_model import RBLNCompiledModel, _dtype
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,8 @@ class Runtime:
         self._num_inputs = len(compiled_model.input_info)
         self._shapes = [tuple(shape) for _, shape, _ in compiled_model.input_info]
         self.physical_devices = physical
+        # Timing mode (see rbln_ray.emulator.timing): sleep the modelled latency, zero outputs.
+        self._timing = timing.GraphTiming(compiled_model) if timing.timing_enabled() else None
         logger.debug("emulated runtime on devices %s (node %s)", physical, node)
 
     def __call__(self, *inputs: torch.Tensor, out: Any = None) -> Any:
@@ -159,9 +162,14 @@ class Runtime:
                 raise ValueError(
                     f"input {i} ({name}) has shape {list(tensor.shape)}; compiled for {list(shape)}"
                 )
-        with torch.no_grad():
-            result = self._module(*inputs, *self._kv)
-        outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+        start = time.perf_counter()
+        if self._timing is not None:
+            outputs = self._timing.run(self._module, inputs, self._kv, start)
+        else:
+            with torch.no_grad():
+                result = self._module(*inputs, *self._kv)
+            outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+            timing.record_call(start, inputs)
         if out is not None:
             targets = out if isinstance(out, (list, tuple)) else [out]
             for target, value in zip(targets, outputs, strict=False):
@@ -177,4 +185,5 @@ class Runtime:
         return dict(zip(self._cm.kv_shapes, self._kv, strict=True))
 
     def __repr__(self) -> str:
-        return f"<rebel.Runtime (emulated) devices={self.physical_devices} {self._cm!r}>"
+        mode = "timing" if self._timing is not None else "emulated"
+        return f"<rebel.Runtime ({mode}) devices={self.physical_devices} {self._cm!r}>"

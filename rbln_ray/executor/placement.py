@@ -33,10 +33,12 @@ class PlacementError(RuntimeError):
 def num_workers(vllm_config: VllmConfig) -> int:
     """How many worker actors the engine has: one per pipeline stage.
 
-    The single place the worker count comes from. Pipeline stages are not implemented yet,
-    so this is 1; the pipeline-stages work changes only this function.
+    The single place the worker count comes from: the compiled artifact's stage count
+    (``rbln_pipeline.json``; 1 for an optimum-rbln artifact).
     """
-    return 1
+    from rbln_ray.vllm_plugin.platform import compiled_artifact
+
+    return compiled_artifact(vllm_config).num_stages
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,10 @@ class RBLNRayExecutor(Executor):
             self._start_monitor()
             self.collective_rpc("init_device")
             self.collective_rpc("load_model")
+            if len(self._workers) > 1:
+                # Pipeline stages: stage 0 coordinates and calls stages 1..S-1 directly.
+                peers = [w.actor for w in self._workers[1:]]
+                self._rpc_driver_worker("set_pipeline_peers", (peers,))
         except BaseException:
             self.shutdown()
             raise
@@ -206,19 +210,35 @@ class RBLNRayExecutor(Executor):
         values = self._wait(refs, timeout)
         return values[0] if single_value else values
 
+    def _rpc_driver_worker(self, method: str, args: tuple = (), non_block: bool = False) -> Any:
+        """Call rank 0 only: the one worker that holds vLLM's request state and samples
+        (the only worker with S = 1; the coordinating stage 0 of a pipeline)."""
+        self._raise_if_failed()
+        refs = [self._workers[0].actor.execute_method.remote(method, *args)]
+        if non_block:
+            return _RefsFuture(self, refs, True)
+        return self._wait(refs, None)[0]
+
     def execute_model(  # type: ignore[override]
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
-        return self.collective_rpc(
-            "execute_model", args=(scheduler_output,), non_block=non_block, single_value=True
-        )
+        return self._rpc_driver_worker("execute_model", (scheduler_output,), non_block)
 
     def sample_tokens(  # type: ignore[override]
         self, grammar_output: GrammarOutput | None, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        return self.collective_rpc(
-            "sample_tokens", args=(grammar_output,), non_block=non_block, single_value=True
-        )
+        return self._rpc_driver_worker("sample_tokens", (grammar_output,), non_block)
+
+    # vLLM sizes one KV cache for the engine: with pipeline stages that is the coordinating
+    # worker's nominal spec (every stage holds the same block count for its own layers).
+    def determine_available_memory(self) -> list[int]:
+        return [self._rpc_driver_worker("determine_available_memory")]
+
+    def get_kv_cache_specs(self) -> list[dict[str, Any]]:
+        return [self._rpc_driver_worker("get_kv_cache_spec")]
+
+    def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
+        self._rpc_driver_worker("initialize_from_config", (kv_cache_configs,))
 
     def _wait(self, refs: list[Any], timeout: float | None) -> list[Any]:
         """``ray.get`` that raises at once when any worker fails or the executor is failed."""

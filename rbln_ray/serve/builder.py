@@ -50,6 +50,7 @@ def build_server(cfg: ModelDeploymentConfig, metrics_hub: Application) -> Applic
         "placement_group_bundles": server_bundles(cfg),
         "placement_group_strategy": cfg.placement_strategy,
         "max_ongoing_requests": cfg.max_ongoing_requests,
+        "max_queued_requests": cfg.max_queued_requests,
         "health_check_period_s": 5,
         "health_check_timeout_s": 30,
         "graceful_shutdown_timeout_s": 30,
@@ -76,4 +77,4 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
     ingress = serve.deployment(serve.ingress(app)(OpenAIIngress)).options(
         name=INGRESS_NAME, ray_actor_options={"num_cpus": 0}
     )
-    return ingress.bind(servers, config.resolved_api_key(), hub)
+    return ingress.bind(servers, config.resolved_api_key(), hub, config.limits.model_dump())

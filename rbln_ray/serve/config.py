@@ -33,6 +33,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class RequestLimits(_Strict):
+    """Per-request caps the ingress enforces before a request reaches an engine.
+
+    Prompt length and ``max_tokens`` are also bounded by each model's compiled
+    ``max_seq_len`` (vLLM rejects what does not fit with a 400).
+    """
+
+    max_request_bytes: int = Field(default=1 << 20, ge=1024)
+    max_n: int = Field(default=8, ge=1)
+    max_tokens: int = Field(default=4096, ge=1)
+
+
 class ModelDeploymentConfig(_Strict):
     """One served model: where it comes from and how many devices/replicas it gets."""
 
@@ -46,6 +58,8 @@ class ModelDeploymentConfig(_Strict):
     placement_strategy: PlacementStrategy = "PACK"
     placement_timeout_s: float = Field(default=120.0, gt=0)
     max_ongoing_requests: int = Field(default=64, ge=1)
+    # Requests waiting for a replica beyond this get 429 instead of queueing without bound.
+    max_queued_requests: int = Field(default=256, ge=1)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -80,6 +94,7 @@ class AppConfig(_Strict):
     api_key: str | None = None
     api_key_env: str | None = None
     routing: Literal["load_aware", "prefix_affinity"] = "load_aware"
+    limits: RequestLimits = Field(default_factory=lambda: RequestLimits())
     models: list[ModelDeploymentConfig] = Field(min_length=1)
 
     @model_validator(mode="after")

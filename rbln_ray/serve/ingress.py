@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from ray.serve.exceptions import BackPressureError
 from vllm.exceptions import VLLMClientError
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,18 @@ def validation_message(exc: ValidationError) -> str:
 class OpenAIIngress:
     """FastAPI ingress; ``servers`` maps served model names to their deployment handles."""
 
-    def __init__(self, servers: dict[str, Any], api_key: str | None, metrics_hub: Any) -> None:
+    def __init__(
+        self,
+        servers: dict[str, Any],
+        api_key: str | None,
+        metrics_hub: Any,
+        limits: dict[str, Any] | None = None,
+    ) -> None:
         from ray import serve
 
+        from rbln_ray.serve.config import RequestLimits
+
+        self.limits = RequestLimits.model_validate(limits or {})
         self.servers = servers
         self.metrics_hub = metrics_hub
         self.api_key = api_key
@@ -64,8 +74,14 @@ class OpenAIIngress:
         return None
 
     async def _parse(self, request: Request, model_cls: type) -> Any:
+        cap = self.limits.max_request_bytes
+        if int(request.headers.get("content-length") or 0) > cap:
+            return error_response(413, f"request body exceeds {cap} bytes")
+        raw = await request.body()
+        if len(raw) > cap:
+            return error_response(413, f"request body exceeds {cap} bytes")
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return error_response(400, f"request body is not valid JSON: {exc}")
         if not isinstance(body, dict):
@@ -76,6 +92,15 @@ class OpenAIIngress:
             return error_response(400, validation_message(exc))
         except (VLLMClientError, ValueError) as exc:  # vLLM's own request checks
             return error_response(400, str(exc))
+        if (parsed.n or 1) > self.limits.max_n:
+            return error_response(400, f"n={parsed.n} exceeds the limit of {self.limits.max_n}")
+        max_tokens = getattr(parsed, "max_tokens", None) or getattr(
+            parsed, "max_completion_tokens", None
+        )
+        if max_tokens is not None and max_tokens > self.limits.max_tokens:
+            return error_response(
+                400, f"max_tokens={max_tokens} exceeds the limit of {self.limits.max_tokens}"
+            )
         known = ", ".join(sorted(self.servers))
         if not parsed.model:
             return error_response(400, f"model: field required (served models: {known})")
@@ -93,6 +118,10 @@ class OpenAIIngress:
         stream = getattr(handle, method).remote(parsed)
         try:
             first = await stream.__anext__()
+        except BackPressureError:
+            return error_response(
+                429, f"model {parsed.model!r} is at capacity; retry later", "TooManyRequestsError"
+            )
         except Exception as exc:  # noqa: BLE001 - any replica failure is this request's 5xx
             logger.warning("model %s failed a request: %s", parsed.model, exc)
             return error_response(503, f"model {parsed.model!r} failed: {type(exc).__name__}")

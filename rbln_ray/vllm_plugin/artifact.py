@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 RBLN_CONFIG = "rbln_config.json"
+# A staged (pipeline-parallel) directory's manifest; same shape keys as rbln_config.json.
+PIPELINE_MANIFEST = "rbln_pipeline.json"
 
 
 class ArtifactError(ValueError):
@@ -34,6 +36,7 @@ class CompiledArtifact:
     num_devices: int
     use_attention_mask: bool
     requires_batch_sort: bool
+    num_stages: int = 1  # > 1: a staged directory (rbln_ray.pipeline), one worker per stage
 
     @property
     def blocks_per_seq(self) -> int:
@@ -44,7 +47,9 @@ class CompiledArtifact:
     def load(cls, path: str | Path) -> CompiledArtifact:
         path = Path(path)
         cfg_path = path / RBLN_CONFIG
-        if not cfg_path.is_file():
+        if (path / PIPELINE_MANIFEST).is_file():
+            cfg_path = path / PIPELINE_MANIFEST
+        elif not cfg_path.is_file():
             raise ArtifactError(f"{path} has no {RBLN_CONFIG}: not a compiled optimum-rbln model")
         raw = json.loads(cfg_path.read_text())
         if "kvcache_block_size" not in raw or "decoder_batch_sizes" not in raw:
@@ -72,8 +77,9 @@ class CompiledArtifact:
             num_devices=int(num_devices),
             use_attention_mask=bool(raw.get("use_attention_mask")),
             requires_batch_sort=bool(raw.get("_requires_batch_sort")),
+            num_stages=int(raw.get("num_stages", 1)),
         )
 
 
 def is_compiled_dir(path: str | Path) -> bool:
-    return (Path(path) / RBLN_CONFIG).is_file()
+    return (Path(path) / RBLN_CONFIG).is_file() or (Path(path) / PIPELINE_MANIFEST).is_file()

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WORKER_CLS = "rbln_ray.vllm_plugin.worker.RBLNWorker"
+PIPELINE_WORKER_CLS = "rbln_ray.pipeline.worker.PipelineWorker"
 SCHEDULER_CLS = "rbln_ray.vllm_plugin.scheduler.RBLNScheduler"
 RAY_EXECUTOR_CLS = "rbln_ray.executor.RBLNRayExecutor"
 # vllm_config.additional_config keys rbln-ray reads and writes.
@@ -110,9 +111,13 @@ def _sync_scheduler(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
     sched.verify_max_model_len(max_len)
 
 
-def _sync_parallel(vllm_config: VllmConfig) -> None:
+def _sync_parallel(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
     parallel = vllm_config.parallel_config
-    parallel.worker_cls = WORKER_CLS
+    parallel.worker_cls = PIPELINE_WORKER_CLS if art.num_stages > 1 else WORKER_CLS
+    if art.num_stages > 1 and parallel.distributed_executor_backend in (None, "mp", "uni"):
+        # Stages are separate Ray actors: a staged artifact always runs on the Ray executor.
+        logger.info("%d pipeline stages: using the RBLN Ray executor", art.num_stages)
+        parallel.distributed_executor_backend = RAY_EXECUTOR_CLS
     if parallel.distributed_executor_backend == "ray":
         parallel.distributed_executor_backend = RAY_EXECUTOR_CLS
     elif parallel.distributed_executor_backend in (None, "mp"):
@@ -152,7 +157,7 @@ class RBLNPlatform(CpuPlatform):
         _sync_model_len(vllm_config, art)
         _sync_kv_cache(vllm_config, art)
         _sync_scheduler(vllm_config, art)
-        _sync_parallel(vllm_config)
+        _sync_parallel(vllm_config, art)
         vllm_config.model_config.disable_cascade_attn = True
         vllm_config.compilation_config.mode = CompilationMode.NONE
         vllm_config.compilation_config.cudagraph_capture_sizes = []

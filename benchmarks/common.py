@@ -1,0 +1,209 @@
+"""Shared helpers: result files, subprocess runs, percentiles, host-overhead analysis, plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PYTHON = sys.executable
+
+# Small matmuls on a small host run far faster single-threaded; children inherit this.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_json(script: str, spec: dict[str, Any], env: dict[str, str], timeout: float) -> dict:
+    """Run ``benchmarks/<script>`` with a JSON spec; return its last ``RESULT`` line."""
+    proc = subprocess.run(
+        [PYTHON, str(ROOT / "benchmarks" / script), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"{script} failed (rc={proc.returncode})\n--- stdout\n{proc.stdout[-3000:]}\n"
+            f"--- stderr\n{proc.stderr[-6000:]}"
+        )
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def summary(values: list[float], scale: float = 1.0) -> dict[str, float | None]:
+    """mean / p50 / p99 (vllm bench serve reports these), scaled (e.g. 1e3 for ms)."""
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    return {
+        "mean": statistics.fmean(values) * scale,
+        "p50": percentile(values, 50) * scale,
+        "p99": percentile(values, 99) * scale,
+    }
+
+
+def host_overhead(calls: list[dict[str, Any]], batch: int | None = None) -> dict[str, Any]:
+    """Host overhead per decode step from a runtime-call log (``rbln_ray.emulator.timing``).
+
+    Between two consecutive decode calls with nothing else in between, the step period is
+    ``start[i+1] - start[i]``; the device part is ``end[i] - start[i]`` (time inside the
+    ``rebel.Runtime`` call); the rest is host work: scheduler, input prep, sampling, output
+    processing and IPC. Steps adjacent to a prefill are excluded. ``batch`` keeps only decode
+    steps of that compiled batch.
+    """
+    periods, device, host, modelled = [], [], [], []
+    for cur, nxt in zip(calls, calls[1:], strict=False):
+        if cur["kind"] != "decode" or nxt["kind"] != "decode":
+            continue
+        if batch is not None and cur["batch"] != batch:
+            continue
+        period = nxt["start"] - cur["start"]
+        dev = cur["end"] - cur["start"]
+        periods.append(period)
+        device.append(dev)
+        host.append(period - dev)
+        if cur.get("modelled_s") is not None:
+            modelled.append(cur["modelled_s"])
+    if not periods:
+        return {"steps": 0}
+    p50_host, p50_dev = percentile(host, 50), percentile(device, 50)
+    return {
+        "steps": len(periods),
+        "step_ms": summary(periods, 1e3),
+        "device_ms": summary(device, 1e3),
+        "host_ms": summary(host, 1e3),
+        "modelled_device_ms": summary(modelled, 1e3) if modelled else None,
+        "host_over_device_p50": p50_host / p50_dev if p50_dev else None,
+        "host_share_of_step_p50": p50_host / percentile(periods, 50),
+    }
+
+
+def meta() -> dict[str, Any]:
+    import torch
+
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "loadavg": os.getloadavg(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def save(name: str, data: dict[str, Any], quick: bool) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    suffix = "-quick" if quick else ""
+    path = RESULTS / f"{name}{suffix}.json"
+    data = {"benchmark": name, "quick": quick, "meta": meta(), **data}
+    path.write_text(json.dumps(data, indent=2, default=str))
+    print(f"results: {path}")
+    return path
+
+
+def plot_path(name: str, quick: bool) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    return RESULTS / f"{name}{'-quick' if quick else ''}.png"
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Deterministic random token-id prompts, identical for every backend."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
+
+
+def compiled_demo(batch: int, max_seq_len: int = 1024) -> tuple[Path, Path]:
+    """(HF dir, compiled dir) of the demo model at ``batch`` (cached by rbln-ray)."""
+    os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
+    from rbln_ray.models import demo_model_dir
+    from rbln_ray.vllm_plugin.loader import CompileSettings, resolve_compiled_dir
+
+    sizes = tuple(sorted({batch, *(b for b in (1, 2, 4) if b < batch)}, reverse=True))
+    hf_dir = demo_model_dir()
+    settings = CompileSettings(batch_size=batch, max_seq_len=max_seq_len, decoder_batch_sizes=sizes)
+    return hf_dir, resolve_compiled_dir(hf_dir, settings)
+
+
+def vocab_of(model_dir: Path) -> int:
+    return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deploy_serve_app(compiled: Path, num_replicas: int, port: int, **model_extra: Any) -> str:
+    """Deploy the rbln-ray Serve app (one model "demo") on the connected Ray cluster."""
+    from ray import serve
+
+    from rbln_ray.serve import APP_NAME, build_app, load_config
+
+    config = load_config(
+        {
+            "port": port,
+            "models": [
+                {
+                    "name": "demo",
+                    "model": str(compiled),
+                    "num_replicas": num_replicas,
+                    "max_ongoing_requests": 256,
+                    **model_extra,
+                }
+            ],
+        }
+    )
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
+def emulator_env(mode: str, shape: str = "") -> None:
+    """Set (in this process, inherited by Ray workers) the emulator mode for Serve runs."""
+    os.environ["RBLN_RAY_DEVICE"] = "emulated"
+    os.environ["RBLN_RAY_EMULATOR_MODE"] = mode
+    if shape:
+        os.environ["RBLN_RAY_TIMING_SHAPE"] = shape
+    else:
+        os.environ.pop("RBLN_RAY_TIMING_SHAPE", None)
+    from rbln_ray.emulator import ensure_runtime
+
+    ensure_runtime()  # `rebel` importable here too (Ray's RBLN accelerator probe uses it)

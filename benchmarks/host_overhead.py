@@ -1,0 +1,154 @@
+"""Host overhead per decode step at batch 1/4/8, and slot occupancy under saturation.
+
+rbln-ray's ``vllm.LLM`` in emulator timing mode (device calls sleep the modelled ATOM
+latency, so the host's own work is what the CPU does). Host overhead per decode step =
+step period (start of one decode call to the next) minus time inside the ``rebel.Runtime``
+call: scheduler, input prep in the runner and optimum, sampling, output processing, IPC.
+
+Two device models: the compiled demo graph's own shape (tiny: device time ~0.1 ms) and
+``--shape`` (default llama-3-8b: the device time of a real 8B model on ATOM, ~tens of ms),
+against which the goal "host overhead <= 2 % of device time" is judged. Occupancy: many
+requests with jittered output lengths (saturation); live decode rows / compiled batch.
+
+    python -m benchmarks.host_overhead [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks import common
+
+GOAL_HOST_RATIO = 0.02
+GOAL_OCCUPANCY = 0.90
+
+
+def occupancy(phase: dict, batch: int) -> dict:
+    rb = phase["rbln"]
+    after, before = rb["step_stats"], rb["step_stats_before"]
+    steps = after["decode_steps"] - before["decode_steps"]
+    rows = after["decode_rows"] - before["decode_rows"]
+    calls = rb["calls"]["calls"]
+    start, end = rb["window"]
+    busy = sum(c["end"] - c["start"] for c in calls if start <= c["start"] <= end)
+    decode = [c for c in calls if c["kind"] == "decode"]
+    return {
+        "decode_steps": steps,
+        "prefill_steps": after["prefill_steps"] - before["prefill_steps"],
+        "row_occupancy": rows / (steps * batch) if steps else None,
+        "device_busy_fraction": busy / (end - start),
+        "decode_calls_by_graph_batch": {
+            str(b): sum(1 for c in decode if c["batch"] == b)
+            for b in sorted({c["batch"] for c in decode})
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--batches", default="1,4,8")
+    p.add_argument("--shape", default="llama-3-8b", help="timing preset for the goal check")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--saturation-factor", type=int, default=6, help="requests = factor x batch")
+    args = p.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.quick:
+        args.output_len, args.saturation_factor = 24, 3
+    top = max(batches)
+    _, compiled = common.compiled_demo(top)
+    phases = [{"num_prompts": b, "output_len": args.output_len} for b in batches]
+    phases.append(
+        {"num_prompts": top * args.saturation_factor, "output_len": args.output_len, "jitter": 0.5}
+    )
+    results = {}
+    for label, shape in (("graph shape", ""), (args.shape, args.shape)):
+        print(f"== timing mode, device model: {label}", flush=True)
+        spec = {
+            "backend": "rbln",
+            "model": str(compiled),
+            "emulator_mode": "timing",
+            "timing_shape": shape,
+            "num_prompts": 0,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "max_num_seqs": top,
+            "max_model_len": 1024,
+            "api": "llm",
+            "warmup": 2,
+            "phases": phases,
+        }
+        out = common.run_json("engine_run.py", spec, common.base_env(), timeout=3600)
+        per_batch = {}
+        for b, phase in zip(batches, out["phases"], strict=False):
+            per_batch[str(b)] = common.host_overhead(phase["rbln"]["calls"]["calls"], batch=b)
+            per_batch[str(b)]["output_tok_per_s"] = phase["output_tok_per_s"]
+            ho = per_batch[str(b)]
+            if ho.get("steps"):
+                print(
+                    f"   batch {b}: host {ho['host_ms']['p50']:.3f} ms p50 / device "
+                    f"{ho['device_ms']['p50']:.3f} ms p50 = {ho['host_over_device_p50']:.1%}",
+                    flush=True,
+                )
+        sat = out["phases"][-1]
+        occ = occupancy(sat, top)
+        occ["output_tok_per_s"] = sat["output_tok_per_s"]
+        print(f"   saturation (batch {top}): occupancy {occ['row_occupancy']:.1%}", flush=True)
+        results[label] = {"per_batch": per_batch, "saturation": occ}
+
+    goal = results[args.shape]
+    ratios = {
+        b: v.get("host_over_device_p50") for b, v in goal["per_batch"].items() if v.get("steps")
+    }
+    goals = {
+        "host_overhead_le_2pct_of_device": {
+            "device_model": args.shape,
+            "host_over_device_p50": ratios,
+            "met": all(r is not None and r <= GOAL_HOST_RATIO for r in ratios.values()),
+        },
+        "occupancy_ge_90pct_under_saturation": {
+            "row_occupancy": goal["saturation"]["row_occupancy"],
+            "met": (goal["saturation"]["row_occupancy"] or 0) >= GOAL_OCCUPANCY,
+        },
+    }
+    common.save(
+        "host_overhead",
+        {
+            "settings": vars(args) | {"compiled": str(compiled), "batches": batches},
+            "results": results,
+            "goals": goals,
+        },
+        args.quick,
+    )
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, res in results.items():
+        xs = [int(b) for b, v in res["per_batch"].items() if v.get("steps")]
+        ax.plot(
+            xs,
+            [res["per_batch"][str(b)]["host_ms"]["p50"] for b in xs],
+            marker="o",
+            label=f"host ms/step ({label})",
+        )
+        ax.plot(
+            xs,
+            [res["per_batch"][str(b)]["device_ms"]["p50"] for b in xs],
+            marker="s",
+            linestyle="--",
+            label=f"device ms/step ({label})",
+        )
+    ax.set_yscale("log")
+    ax.set_xlabel("decode batch")
+    ax.set_ylabel("ms per decode step (p50)")
+    ax.set_title("host overhead vs device time per decode step (timing mode)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(common.plot_path("host_overhead", args.quick))
+    for name, g in goals.items():
+        print(f"goal {name}: {'MET' if g['met'] else 'NOT MET'} {g}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

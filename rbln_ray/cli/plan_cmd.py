@@ -1,0 +1,160 @@
+"""``rbln-ray plan``: how many ATOM cards, devices per worker and replicas a workload needs.
+
+    rbln-ray plan --model llama-3-8b --input-len 1024 --output-len 256 --rate 10
+    rbln-ray plan --params 8e9 --layers 32 --hidden 4096 --kv-bytes-per-token 131072 ...
+    rbln-ray plan --model path/to/hf_dir ... --json
+
+Estimates come from the emulator's ATOM timing model (rbln_ray.emulator.timing); the DRAM
+bandwidth and efficiencies are assumptions (flags below), not measured figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+from rbln_ray.emulator.timing import PRESETS, AtomSpec, shape_from_spec
+from rbln_ray.planning import Limits, Plan, Workload, plan, shape_from_dims
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model (a preset / config, or coarse numbers)")
+    m.add_argument(
+        "--model",
+        help=f"preset ({', '.join(sorted(PRESETS))}), an HF model dir or config.json",
+    )
+    m.add_argument("--params", type=float, help="parameter count, e.g. 8e9")
+    m.add_argument("--layers", type=int)
+    m.add_argument("--hidden", type=int)
+    m.add_argument("--kv-bytes-per-token", type=int, help="all layers, K and V, FP16")
+    m.add_argument("--vocab", type=int, default=32000)
+    w = p.add_argument_group("workload")
+    w.add_argument("--input-len", type=int, required=True)
+    w.add_argument("--output-len", type=int, required=True)
+    w.add_argument("--rate", type=float, required=True, help="requests/s to sustain")
+    w.add_argument("--max-seq-len", type=int, help="compiled length (default in + out)")
+    w.add_argument("--utilization", type=float, default=0.8, help="target device busy fraction")
+    w.add_argument("--tpot-slo-ms", type=float)
+    w.add_argument("--ttft-slo-ms", type=float)
+    w.add_argument("--host-ms-per-step", type=float, default=0.0)
+    h = p.add_argument_group("hardware model (assumptions)")
+    base = AtomSpec()
+    h.add_argument("--dram-gbps", type=float, default=base.dram_bytes_per_s / 1e9)
+    h.add_argument("--peak-tflops", type=float, default=base.peak_flops / 1e12)
+    h.add_argument("--compute-eff", type=float, default=base.compute_eff)
+    h.add_argument("--dram-eff", type=float, default=base.dram_eff)
+    h.add_argument("--call-overhead-us", type=float, default=base.call_overhead_s * 1e6)
+    h.add_argument("--cards-per-node", type=int, default=Limits().cards_per_node)
+    h.add_argument(
+        "--batch-sizes", help="comma list of compiled batches to consider (default 1..128)"
+    )
+    p.add_argument("--json", action="store_true", help="print the full plan as JSON")
+    p.add_argument("--all", action="store_true", help="list every fitting option, not the best")
+
+
+def build(args: argparse.Namespace) -> Plan:
+    if args.model:
+        shape = shape_from_spec(args.model)
+    elif args.params and args.layers and args.hidden and args.kv_bytes_per_token:
+        shape = shape_from_dims(
+            args.params, args.layers, args.hidden, args.kv_bytes_per_token, args.vocab
+        )
+    else:
+        raise SystemExit(
+            "give --model PRESET|DIR, or --params, --layers, --hidden and --kv-bytes-per-token"
+        )
+    spec = replace(
+        AtomSpec.from_env(),
+        dram_bytes_per_s=args.dram_gbps * 1e9,
+        peak_flops=args.peak_tflops * 1e12,
+        compute_eff=args.compute_eff,
+        dram_eff=args.dram_eff,
+        call_overhead_s=args.call_overhead_us * 1e-6,
+    )
+    limits = Limits(cards_per_node=args.cards_per_node)
+    if args.batch_sizes:
+        limits = replace(limits, batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")))
+    work = Workload(
+        input_len=args.input_len,
+        output_len=args.output_len,
+        rate=args.rate,
+        max_seq_len=args.max_seq_len,
+        utilization=args.utilization,
+        tpot_slo_ms=args.tpot_slo_ms,
+        ttft_slo_ms=args.ttft_slo_ms,
+        host_ms_per_step=args.host_ms_per_step,
+    )
+    return plan(shape, work, spec, limits)
+
+
+def render(result: Plan, show_all: bool = False) -> str:
+    m, w = result.model, result.workload
+    lines = [
+        f"model {m['name']}: {m['params'] / 1e9:.2f} B params, {m['num_layers']} layers, "
+        f"hidden {m['hidden_size']}, KV {m['kv_bytes_per_token'] / 1024:.0f} KiB/token (FP16)",
+        f"workload: {w['input_len']} in / {w['output_len']} out tokens, {w['rate']:g} req/s, "
+        f"max_seq_len {w['max_seq_len']}, target utilization {w['utilization']:.0%}",
+        f"ATOM model: {result.spec['peak_flops'] / 1e12:g} TFLOPS x {result.spec['compute_eff']}"
+        f", {result.spec['dram_bytes_per_s'] / 1e9:g} GB/s x {result.spec['dram_eff']} (assumed)"
+        f", {result.spec['call_overhead_s'] * 1e6:g} us/call",
+        "",
+    ]
+    header = (
+        f"{'dev/worker':>10} {'batch':>5} {'GiB w/dev':>9} {'GiB kv/dev':>10} {'prefill ms':>10} "
+        f"{'step ms':>8} {'TPOT ms':>8} {'req/s/rep':>9} {'tok/s/rep':>9} {'replicas':>8} "
+        f"{'cards':>6} {'nodes':>5}"
+    )
+    rows = [o for o in result.options if o.fits]
+    if not show_all:  # best batch per shard size
+        best: dict[int, object] = {}
+        for o in rows:
+            if not o.meets_slo:
+                continue
+            cur = best.get(o.devices_per_worker)
+            if cur is None or (o.cards, o.tpot_ms) < (cur.cards, cur.tpot_ms):
+                best[o.devices_per_worker] = o
+        rows = list(best.values())
+    lines.append(header)
+    for o in rows:
+        mark = " <- plan" if o is result.chosen else ""
+        lines.append(
+            f"{o.devices_per_worker:>10} {o.batch:>5} {o.weights_per_device_gib:>9.2f} "
+            f"{o.kv_per_device_gib:>10.2f} {o.prefill_ms:>10.1f} {o.decode_step_ms:>8.2f} "
+            f"{o.tpot_ms:>8.2f} {o.replica_req_s:>9.2f} {o.replica_tok_s:>9.0f} "
+            f"{o.replicas:>8} {o.cards:>6} {o.nodes:>5}{mark}"
+            + (f"  ({'; '.join(o.notes)})" if o.notes else "")
+        )
+    lines.append("")
+    c = result.chosen
+    if c is None:
+        lines.append(f"no plan: {result.bounds.get('plan')}")
+    else:
+        lines.append(
+            f"PLAN: {c.cards} ATOM card(s) on {c.nodes} node(s) = {c.replicas} replica(s) x "
+            f"{c.devices_per_worker} device(s) per worker, compiled batch {c.batch}; "
+            f"~{c.replica_tok_s * c.replicas:.0f} output tok/s capacity, TTFT >= {c.ttft_ms:.0f} "
+            f"ms, TPOT ~{c.tpot_ms:.1f} ms"
+        )
+        for key, why in result.bounds.items():
+            lines.append(f"  bound by {key}: {why}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = build(args)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(render(result, show_all=args.all))
+    return 0 if result.chosen is not None else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rbln-ray plan", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,478 @@
+"""Emulator *timing mode*: an ATOM latency model, spent sleeping instead of computing.
+
+Why: on a 2-core host the emulator can run one or two devices' worth of real compute. For
+replica scaling and capacity planning we need many emulated ATOMs at once with realistic
+device latency, so in timing mode (``RBLN_RAY_EMULATOR_MODE=timing``) a ``rebel.Runtime``
+call does **not** run the graph: it works out the FLOPs and DRAM bytes of the call from the
+model's shape and the call's inputs, converts them to seconds with a roofline model of ATOM
+and sleeps that long (no CPU burnt, the GIL released).
+
+**Outputs in timing mode are zeros and the KV cache is never written: generated text is
+garbage by design.** Timing mode exists for throughput/latency measurements only; it is never
+on by default, it logs a warning in every process that enables it, and ``Runtime`` reprs say
+``timing``. Nothing that checks token correctness may run with it.
+
+The same cost model (:func:`call_cost`) drives ``rbln-ray plan``.
+
+Model of one device call (roofline, one compiled graph invocation):
+
+- FLOPs = 2 x (decoder-layer parameters) x (tokens in the call, padding rows included, since
+  compiled graphs have static shapes) + 2 x vocab x hidden x (rows returning logits)
+  + attention 4 x layers x q_heads x head_dim x sum(new tokens x attended context).
+- bytes = all weights except the embedding table (read once per call; the LM head is read
+  in full) + KV read (cached context of every row) + KV write (new tokens)
+  + activations (~(6 x hidden + 2 x intermediate) x tokens x layers) + logits.
+- seconds = max(FLOPs / (peak x compute_eff), bytes / (bandwidth x dram_eff)) / tp_eff(N)
+  + per-call overhead (+ a per-layer sync cost when the graph spans N > 1 devices).
+
+Parameters (environment, all optional):
+
+=====================================  ==========  ==============================================
+``RBLN_RAY_TIMING_PEAK_TFLOPS``        32          ATOM FP16 peak (published)
+``RBLN_RAY_TIMING_DRAM_GBPS``          256         GDDR6 bandwidth: an assumption, not published
+``RBLN_RAY_TIMING_COMPUTE_EFF``        0.6         achieved fraction of peak FLOPs
+``RBLN_RAY_TIMING_DRAM_EFF``           0.8         achieved fraction of DRAM bandwidth
+``RBLN_RAY_TIMING_CALL_US``            100         fixed cost per runtime call (launch, sync)
+``RBLN_RAY_TIMING_TP_EFF``             0.85        efficiency of a shard group of N > 1 devices
+``RBLN_RAY_TIMING_SYNC_US``            10          per-layer cross-device sync cost when N > 1
+``RBLN_RAY_TIMING_SHAPE``              (graph's)   model the latency of a preset (e.g.
+                                                   ``llama-3-8b``) or a JSON shape instead of
+                                                   the compiled graph's own config
+=====================================  ==========  ==============================================
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MODE_ENV = "RBLN_RAY_EMULATOR_MODE"
+SHAPE_ENV = "RBLN_RAY_TIMING_SHAPE"
+DEVICE_DRAM_BYTES = 16 * 2**30 - 288 * 2**20  # ATOM: 16 GiB minus 288 MiB reserved
+
+
+# ----------------------------------------------------------------------------- parameters
+@dataclass(frozen=True)
+class AtomSpec:
+    """One ATOM device, as the timing model sees it."""
+
+    peak_flops: float = 32e12
+    dram_bytes_per_s: float = 256e9
+    compute_eff: float = 0.6
+    dram_eff: float = 0.8
+    call_overhead_s: float = 100e-6
+    tp_eff: float = 0.85
+    sync_per_layer_s: float = 10e-6
+    dram_capacity: int = DEVICE_DRAM_BYTES
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> AtomSpec:
+        env = os.environ if environ is None else environ
+        base = cls()
+
+        def get(name: str, default: float, scale: float = 1.0) -> float:
+            raw = env.get(name)
+            return float(raw) * scale if raw not in (None, "") else default
+
+        return cls(
+            peak_flops=get("RBLN_RAY_TIMING_PEAK_TFLOPS", base.peak_flops, 1e12),
+            dram_bytes_per_s=get("RBLN_RAY_TIMING_DRAM_GBPS", base.dram_bytes_per_s, 1e9),
+            compute_eff=get("RBLN_RAY_TIMING_COMPUTE_EFF", base.compute_eff),
+            dram_eff=get("RBLN_RAY_TIMING_DRAM_EFF", base.dram_eff),
+            call_overhead_s=get("RBLN_RAY_TIMING_CALL_US", base.call_overhead_s, 1e-6),
+            tp_eff=get("RBLN_RAY_TIMING_TP_EFF", base.tp_eff),
+            sync_per_layer_s=get("RBLN_RAY_TIMING_SYNC_US", base.sync_per_layer_s, 1e-6),
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost model needs to know about a decoder-only transformer."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    weight_bytes: int = 2  # per parameter on the device (FP16)
+    kv_bytes: int = 2  # per KV element on the device
+    name: str = "custom"
+
+    @property
+    def layer_params(self) -> int:
+        h, q, kv = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        attention = h * q + 2 * h * kv + q * h
+        mlp = 3 * h * self.intermediate_size  # gated MLP (Llama/Qwen/Mistral)
+        return attention + mlp + 2 * h  # + two norms
+
+    @property
+    def params(self) -> int:
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * self.layer_params + embeddings + self.hidden_size
+
+    @property
+    def weight_bytes_total(self) -> int:
+        return self.params * self.weight_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], name: str = "custom") -> ModelShape:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return cls(
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            name=name,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "params": self.params,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+        }
+
+
+# Public architecture numbers of common models (config.json values).
+PRESETS: dict[str, ModelShape] = {
+    "llama-3.2-1b": ModelShape(16, 2048, 32, 8, 64, 8192, 128256, True, name="llama-3.2-1b"),
+    "llama-3.2-3b": ModelShape(28, 3072, 24, 8, 128, 8192, 128256, True, name="llama-3.2-3b"),
+    "llama-2-7b": ModelShape(32, 4096, 32, 32, 128, 11008, 32000, name="llama-2-7b"),
+    "llama-3-8b": ModelShape(32, 4096, 32, 8, 128, 14336, 128256, name="llama-3-8b"),
+    "mistral-7b": ModelShape(32, 4096, 32, 8, 128, 14336, 32768, name="mistral-7b"),
+    "qwen2.5-7b": ModelShape(28, 3584, 28, 4, 128, 18944, 152064, name="qwen2.5-7b"),
+    "llama-2-13b": ModelShape(40, 5120, 40, 40, 128, 13824, 32000, name="llama-2-13b"),
+    "llama-3-70b": ModelShape(80, 8192, 64, 8, 128, 28672, 128256, name="llama-3-70b"),
+}
+
+
+def preset(name: str) -> ModelShape:
+    key = name.strip().lower()
+    if key not in PRESETS:
+        raise KeyError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    return PRESETS[key]
+
+
+def shape_from_spec(spec: str) -> ModelShape:
+    """A preset name, a JSON object of HF config fields, or a path to a ``config.json``."""
+    spec = spec.strip()
+    if spec.startswith("{"):
+        return ModelShape.from_hf_config(json.loads(spec))
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return ModelShape.from_hf_config(json.loads(path.read_text()), name=path.parent.name)
+    return preset(spec)
+
+
+# ----------------------------------------------------------------------------- cost model
+@dataclass(frozen=True)
+class Row:
+    """One sequence in a call: ``new`` tokens computed after ``start`` cached ones."""
+
+    new: int
+    start: int = 0
+
+
+@dataclass(frozen=True)
+class CallCost:
+    flops: float
+    bytes: float
+    compute_s: float
+    memory_s: float
+    seconds: float
+    bound: str  # "compute" or "bandwidth"
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+def call_cost(
+    shape: ModelShape,
+    rows: list[Row],
+    logit_rows: int,
+    spec: AtomSpec | None = None,
+    num_devices: int = 1,
+) -> CallCost:
+    """Device time of one compiled-graph call (see the module docstring for the formula)."""
+    spec = spec or AtomSpec()
+    n = max(1, int(num_devices))
+    L, H = shape.num_layers, shape.hidden_size  # noqa: N806 - the usual symbols
+    tokens = sum(r.new for r in rows)
+    q_dim = shape.num_heads * shape.head_dim
+    attended = sum(r.new * (r.start + (r.new + 1) / 2) for r in rows)  # causal within the call
+    flops_linear = 2.0 * L * shape.layer_params * tokens
+    flops_head = 2.0 * shape.vocab_size * H * logit_rows
+    flops_attn = 4.0 * L * q_dim * attended
+    flops = flops_linear + flops_head + flops_attn
+
+    per_token_kv = shape.kv_bytes_per_token
+    weights = (L * shape.layer_params + shape.vocab_size * H) * shape.weight_bytes
+    kv_read = per_token_kv * sum(r.start for r in rows)
+    kv_write = per_token_kv * tokens
+    act = L * tokens * (6 * H + 2 * shape.intermediate_size) * 2 + logit_rows * shape.vocab_size * 4
+    nbytes = float(weights + kv_read + kv_write + act)
+
+    compute_s = flops / (spec.peak_flops * spec.compute_eff * n)
+    memory_s = nbytes / (spec.dram_bytes_per_s * spec.dram_eff * n)
+    body = max(compute_s, memory_s)
+    extra = spec.call_overhead_s
+    if n > 1:
+        body /= spec.tp_eff
+        extra += L * spec.sync_per_layer_s
+    return CallCost(
+        flops=flops,
+        bytes=nbytes,
+        compute_s=compute_s,
+        memory_s=memory_s,
+        seconds=body + extra,
+        bound="compute" if compute_s >= memory_s else "bandwidth",
+        breakdown={
+            "flops_linear": flops_linear,
+            "flops_lm_head": flops_head,
+            "flops_attention": flops_attn,
+            "bytes_weights": float(weights),
+            "bytes_kv_read": float(kv_read),
+            "bytes_kv_write": float(kv_write),
+            "bytes_activations": float(act),
+            "overhead_s": extra,
+        },
+    )
+
+
+def decode_cost(
+    shape: ModelShape, batch: int, context: int, spec: AtomSpec | None = None, num_devices: int = 1
+) -> CallCost:
+    """One decode step of ``batch`` rows, each with ``context`` tokens already cached."""
+    return call_cost(shape, [Row(1, context)] * batch, batch, spec, num_devices)
+
+
+def prefill_cost(
+    shape: ModelShape,
+    prompt_len: int,
+    chunk: int = 128,
+    spec: AtomSpec | None = None,
+    num_devices: int = 1,
+) -> float:
+    """Seconds to prefill one prompt in static ``chunk``-token calls (the last one padded)."""
+    total, start = 0.0, 0
+    while start < max(1, prompt_len):
+        total += call_cost(shape, [Row(chunk, start)], 1, spec, num_devices).seconds
+        start += chunk
+    return total
+
+
+# ----------------------------------------------------------------------------- mode
+_WARNED = False
+
+
+def timing_enabled() -> bool:
+    """Whether emulated runtimes sleep the modelled latency instead of computing."""
+    global _WARNED
+    value = os.environ.get(MODE_ENV, "compute").strip().lower() or "compute"
+    if value not in ("compute", "timing"):
+        raise ValueError(f"{MODE_ENV}={value!r}; expected 'compute' or 'timing'")
+    if value == "timing" and not _WARNED:
+        _WARNED = True
+        logger.warning(
+            "rebel emulator in TIMING mode: device calls sleep the modelled ATOM latency and "
+            "return zeros; generated tokens are NOT the model's output"
+        )
+    return value == "timing"
+
+
+# ----------------------------------------------------------------------------- recording
+@dataclass
+class CallRecord:
+    start: float  # time.perf_counter() at entry
+    end: float
+    modelled_s: float | None  # None in compute mode
+    kind: str  # "prefill" or "decode"
+    batch: int
+
+
+class Recorder:
+    """Per-process log of runtime calls: totals plus the last ``maxlen`` calls."""
+
+    def __init__(self, maxlen: int = 20000) -> None:
+        self._lock = threading.Lock()
+        self.calls: deque[CallRecord] = deque(maxlen=maxlen)
+        self.total_calls = 0
+        self.total_seconds = 0.0
+        self.total_modelled = 0.0
+
+    def add(self, rec: CallRecord) -> None:
+        with self._lock:
+            self.calls.append(rec)
+            self.total_calls += 1
+            self.total_seconds += rec.end - rec.start
+            self.total_modelled += rec.modelled_s or 0.0
+
+    def reset(self) -> None:
+        with self._lock:
+            self.calls.clear()
+            self.total_calls, self.total_seconds, self.total_modelled = 0, 0.0, 0.0
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "pid": os.getpid(),
+                "mode": "timing" if timing_enabled() else "compute",
+                "total_calls": self.total_calls,
+                "total_seconds": self.total_seconds,
+                "total_modelled_seconds": self.total_modelled,
+                "calls": [asdict(c) for c in self.calls],
+            }
+
+
+RECORDER = Recorder()
+
+
+def snapshot(*_: Any) -> dict[str, Any]:
+    """Recorded calls of this process (usable as a ``collective_rpc`` callable)."""
+    return RECORDER.snapshot()
+
+
+def reset(*_: Any) -> bool:
+    RECORDER.reset()
+    return True
+
+
+# ----------------------------------------------------------------------------- the runtime side
+class GraphTiming:
+    """Timing-mode behaviour of one emulated runtime: cost per call, zero outputs."""
+
+    def __init__(self, cm: Any) -> None:
+        self.spec = AtomSpec.from_env()
+        self.shape = graph_shape(cm)
+        self.num_devices = int(getattr(cm, "num_devices", 1) or 1)
+        names = [name for name, _, _ in cm.input_info]
+        self._pos_index = names.index("cache_position") if "cache_position" in names else None
+        self._one_logit = "query_position" in names
+        self._outputs: list[tuple[tuple[int, ...], Any]] | None = None
+
+    def rows(self, inputs: tuple[Any, ...]) -> tuple[list[Row], int, str]:
+        kind, batch, length = describe(inputs)
+        if self._pos_index is not None:
+            starts = inputs[self._pos_index].reshape(batch, -1)[:, 0].tolist()
+        else:
+            starts = [0] * batch
+        rows = [Row(length, max(0, int(s))) for s in starts]
+        logit_rows = batch if (kind == "decode" or self._one_logit) else batch * length
+        return rows, logit_rows, kind
+
+    def cost(self, inputs: tuple[Any, ...]) -> CallCost:
+        rows, logit_rows, _ = self.rows(inputs)
+        return call_cost(self.shape, rows, logit_rows, self.spec, self.num_devices)
+
+    def run(self, module: Any, inputs: tuple[Any, ...], kv: list[Any], start: float) -> list[Any]:
+        """One timing-mode call: zero outputs after sleeping the modelled latency."""
+        import torch
+
+        seconds = self.cost(inputs).seconds
+        if self._outputs is None:  # output shapes, found once without computing
+            self._outputs = _output_specs(module, inputs, kv)
+            start = time.perf_counter()  # the one-off shape pass is not device time
+        outputs = [torch.zeros(s, dtype=d) for s, d in self._outputs]
+        sleep_until(start + seconds)
+        record_call(start, inputs, seconds)
+        return outputs
+
+
+def describe(inputs: tuple[Any, ...]) -> tuple[str, int, int]:
+    """(kind, batch, tokens per row) of a call from its first input ``[batch, tokens]``."""
+    first = inputs[0]
+    batch, length = (int(first.shape[0]), int(first.shape[1])) if first.dim() >= 2 else (1, 1)
+    return ("decode" if length == 1 else "prefill"), batch, length
+
+
+def record_call(start: float, inputs: tuple[Any, ...], modelled_s: float | None = None) -> None:
+    kind, batch, _ = describe(inputs)
+    RECORDER.add(CallRecord(start, time.perf_counter(), modelled_s, kind, batch))
+
+
+def _output_specs(module: Any, inputs: tuple[Any, ...], kv: list[Any]):
+    import torch
+
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode, torch.no_grad():
+            fake_kv = [mode.from_tensor(t) for t in kv]
+            result = module(*inputs, *fake_kv)
+    except Exception:  # noqa: BLE001 - fall back to one real call (tiny graphs only)
+        logger.debug("fake-tensor shape pass failed; running the graph once", exc_info=True)
+        with torch.no_grad():
+            result = module(*[t.clone() for t in inputs], *[t.clone() for t in kv])
+    outs = list(result) if isinstance(result, (tuple, list)) else [result]
+    return [(tuple(o.shape), o.dtype) for o in outs]
+
+
+def graph_shape(cm: Any) -> ModelShape:
+    """The shape to model: ``RBLN_RAY_TIMING_SHAPE``, else the compiled dir's config.json."""
+    override = os.environ.get(SHAPE_ENV, "").strip()
+    if override:
+        return shape_from_spec(override)
+    path = getattr(cm, "path", None)
+    if path is not None and (Path(path).parent / "config.json").is_file():
+        cfg = json.loads((Path(path).parent / "config.json").read_text())
+        return ModelShape.from_hf_config(cfg, name=Path(path).parent.name)
+    for module in cm.module.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is not None and hasattr(cfg, "num_hidden_layers"):
+            return ModelShape.from_hf_config(cfg.to_dict())
+    raise RuntimeError(
+        f"timing mode cannot find the model config of {cm!r}; set {SHAPE_ENV} to a preset "
+        f"({', '.join(sorted(PRESETS))}) or a config.json path"
+    )
+
+
+def sleep_until(deadline: float) -> None:
+    """Sleep (not spin) until ``time.perf_counter()`` reaches ``deadline``."""
+    while True:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return
+        time.sleep(left)
+
+
+class RuntimeCallsExtension:
+    """vLLM ``worker_extension_cls``: exposes this process's runtime-call log to
+    ``collective_rpc("emulator_calls")`` / ``collective_rpc("emulator_calls_reset")``.
+
+    Use ``worker_extension_cls="rbln_ray.emulator.timing.RuntimeCallsExtension"``.
+    """
+
+    def emulator_calls(self) -> dict[str, Any]:
+        return snapshot()
+
+    def emulator_calls_reset(self) -> bool:
+        return reset()

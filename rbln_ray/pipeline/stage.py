@@ -1,0 +1,153 @@
+"""Running one pipeline stage's compiled graphs, and the adapter that chains the stages.
+
+``StageModel`` owns one stage's runtimes (a prefill graph and one decode graph per compiled
+decoder batch size, all sharing the stage's static KV buffers) on this process's devices.
+
+``PipelineModel`` gives stage 0's worker the *same* interface as an optimum-rbln model
+(``prefill_decoder(...)`` and ``decoders[bs](...)`` returning ``.logits``), so the unchanged
+:class:`~rbln_ray.vllm_plugin.model_runner.RBLNModelRunner` drives a pipeline exactly like a
+single-graph model: request state, block tables, padding rows and host sampling stay in one
+place. Behind that interface it runs stage 0 locally and hands the hidden states to stage 1
+as a Ray call whose result *ref* goes straight into stage 2's call, and so on: hidden states
+move worker → worker through Ray's object store, never through vLLM's engine process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rbln_ray.pipeline.manifest import PipelineManifest, StageSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What every stage needs besides its input tensor, for one scheduler step."""
+
+    kind: str  # "prefill" | "decode"
+    cache_position: torch.Tensor  # prefill [1, L]; decode [bs, 1]
+    block_tables: torch.Tensor  # prefill [nblk]; decode [bs, nblk]
+    query_length: int = 1  # prefill: valid tokens (before chunk padding)
+
+
+class StageModel:
+    """One stage's runtimes on ``device_ids`` (indices into this process's visible devices)."""
+
+    def __init__(self, directory: Path, manifest: PipelineManifest, spec: StageSpec, device):
+        import rebel
+
+        self.manifest = manifest
+        self.spec = spec
+        stage_dir = Path(directory) / spec.subdir
+        kwargs = {"tensor_type": "pt", "device": device}
+        self.prefill_rt = rebel.Runtime(
+            rebel.RBLNCompiledModel(stage_dir / "prefill.rbln"), **kwargs
+        )
+        self.decode_rts = {
+            bs: rebel.Runtime(
+                rebel.RBLNCompiledModel(stage_dir / f"decoder_batch_{bs}.rbln"), **kwargs
+            )
+            for bs in manifest.decoder_batch_sizes
+        }
+        self.device_seconds = 0.0
+        logger.info(
+            "pipeline stage %d (layers %d-%d) loaded on device %s",
+            spec.index,
+            spec.layer_start,
+            spec.layer_end - 1,
+            device,
+        )
+
+    @classmethod
+    def load(cls, directory: str | Path, stage: int, device_ids: Sequence[int]) -> StageModel:
+        manifest = PipelineManifest.load(directory)
+        device: int | list[int] = device_ids[0] if len(device_ids) == 1 else list(device_ids)
+        return cls(Path(directory), manifest, manifest.stages[stage], device)
+
+    def run(self, plan: StepPlan, x: torch.Tensor) -> torch.Tensor:
+        """Stage forward: token ids (stage 0) or hidden states in; hidden states or, on the
+        last stage, logits (``[1, 1, V]`` prefill, ``[bs, 1, V]`` decode) out."""
+        start = time.perf_counter()
+        try:
+            if plan.kind == "prefill":
+                return self._prefill(plan, x)
+            return self.decode_rts[x.shape[0]](x, plan.cache_position, plan.block_tables)
+        finally:
+            self.device_seconds += time.perf_counter() - start
+
+    def _prefill(self, plan: StepPlan, x: torch.Tensor) -> torch.Tensor:
+        """Chunked exactly like optimum's ``prefill_forward``: pad to whole chunks (padding
+        positions 0), run the chunks in order; the last stage keeps the last chunk's logits,
+        selected at the last valid token by ``query_position``."""
+        chunk = self.manifest.prefill_chunk_size
+        length = plan.query_length
+        padding = (chunk - length) % chunk
+        cache_position = F.pad(plan.cache_position, (0, padding))
+        if self.spec.has_embedding and x.shape[1] < length + padding:
+            x = F.pad(x, (0, padding))
+        outs = []
+        for step in range(0, length, chunk):
+            s, e = step, step + chunk
+            args = [x[:, s:e], cache_position[:, s:e], plan.block_tables]
+            if self.spec.has_lm_head:
+                q = (length - 1) % chunk if e >= length else chunk - 1
+                args.append(torch.tensor(q, dtype=torch.int16))
+            outs.append(self.prefill_rt(*args))
+        if self.spec.has_lm_head:
+            return outs[-1]
+        return torch.cat(outs, dim=1)
+
+
+class _Decoders:
+    """``model.decoders[bs](...)``, as optimum-rbln models expose it."""
+
+    def __init__(self, pipeline: PipelineModel) -> None:
+        self._pipeline = pipeline
+
+    def __getitem__(self, bs: int):
+        def call(input_ids, cache_position, block_tables, attention_mask=None, **_: Any):
+            if attention_mask is not None:
+                raise NotImplementedError("pipeline stages are compiled without attention masks")
+            plan = StepPlan("decode", cache_position, block_tables)
+            return self._pipeline.run(plan, input_ids)
+
+        return call
+
+
+class PipelineModel:
+    """Stage 0's view of the whole pipeline, shaped like an optimum-rbln decoder model."""
+
+    def __init__(self, stage0: StageModel, peers: Sequence[Any] = ()) -> None:
+        self.stage0 = stage0
+        self.peers: list[Any] = list(peers)  # Ray actor handles of stages 1..S-1, in order
+        self.decoders = _Decoders(self)
+
+    def prefill_decoder(self, input_ids, cache_position, block_tables, **_: Any):
+        plan = StepPlan("prefill", cache_position, block_tables, int(input_ids.shape[1]))
+        return self.run(plan, input_ids)
+
+    def run(self, plan: StepPlan, input_ids: torch.Tensor) -> SimpleNamespace:
+        expected = self.stage0.manifest.num_stages - 1
+        if len(self.peers) != expected:
+            raise RuntimeError(f"pipeline has {len(self.peers)} peer stages, expected {expected}")
+        x: Any = self.stage0.run(plan, input_ids)
+        if self.peers:
+            import ray
+
+            plan_ref = ray.put(plan) if len(self.peers) > 1 else plan
+            for peer in self.peers:
+                # The ref from stage k is an argument of stage k+1: Ray moves the tensor
+                # between those two workers directly.
+                x = peer.execute_method.remote("run_stage", plan_ref, x)
+            x = ray.get(x)
+        return SimpleNamespace(logits=x)

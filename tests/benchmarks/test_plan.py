@@ -1,0 +1,69 @@
+"""`rbln-ray plan` answers sensibly for Llama-3-8B-sized and 70B-sized models."""
+
+from __future__ import annotations
+
+import json
+
+from rbln_ray.cli.plan_cmd import main as plan_main
+from rbln_ray.emulator.timing import DEVICE_DRAM_BYTES, preset
+from rbln_ray.planning import Limits, Workload, plan, shape_from_dims
+
+GiB = 2**30
+
+
+def test_llama3_8b_plan(capsys) -> None:
+    rc = plan_main(
+        [
+            "--model",
+            "llama-3-8b",
+            "--input-len",
+            "512",
+            "--output-len",
+            "128",
+            "--rate",
+            "5",
+            "--json",
+        ]
+    )
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    c = result["chosen"]
+    assert c["cards"] >= 1 and c["replicas"] >= 1
+    assert c["cards"] == c["replicas"] * c["devices_per_worker"]
+    usable = (DEVICE_DRAM_BYTES - Limits().reserve_bytes) / GiB
+    assert c["weights_per_device_gib"] + c["kv_per_device_gib"] <= usable
+    weights_gib = preset("llama-3-8b").weight_bytes_total / GiB
+    assert 14 < weights_gib < 15.5
+    assert c["weights_per_device_gib"] * c["devices_per_worker"] >= weights_gib * 0.99
+    # capacity covers the rate at the target utilization
+    assert c["replica_req_s"] * c["replicas"] * 0.8 >= 5
+    assert set(result["bounds"]) >= {"devices_per_worker", "batch", "replicas"}
+
+
+def test_more_load_needs_more_cards_and_text_output(capsys) -> None:
+    shape = preset("llama-3-8b")
+    low = plan(shape, Workload(512, 128, rate=1)).chosen
+    high = plan(shape, Workload(512, 128, rate=20)).chosen
+    assert high.cards > low.cards
+    assert (
+        plan_main(
+            ["--model", "llama-3-8b", "--input-len", "128", "--output-len", "64", "--rate", "2"]
+        )
+        == 0
+    )
+    assert "PLAN:" in capsys.readouterr().out
+
+
+def test_70b_needs_a_shard_group_and_dims_input() -> None:
+    shape = preset("llama-3-70b")
+    limits = Limits(cards_per_node=16)
+    chosen = plan(shape, Workload(512, 128, rate=1), limits=limits).chosen
+    assert chosen is not None and chosen.devices_per_worker >= 16
+    assert (
+        "memory" in plan(shape, Workload(512, 128, 1), limits=limits).bounds["devices_per_worker"]
+    )
+    # 8 cards per node cannot hold 141 GB of FP16 weights in one shard group
+    assert plan(shape, Workload(512, 128, rate=1)).chosen is None
+    coarse = shape_from_dims(8.03e9, 32, 4096, 131072, vocab_size=128256)
+    assert coarse.kv_bytes_per_token == 131072
+    assert abs(coarse.params - 8.03e9) / 8.03e9 < 0.02

@@ -1,0 +1,66 @@
+"""A two-replica app of a tiny compiled Llama for fault, cancellation, fuzz and soak tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import compiled_model
+from tests.serve.conftest import RunningApp, free_port, start_app, stop_app
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny_app() -> Iterator[RunningApp]:
+    config = {
+        "models": [{"name": MODEL, "model": str(compiled_model("llama")), "num_replicas": 2}],
+        "limits": {"max_n": 4, "max_tokens": 1000},
+    }
+    app = start_app(config, free_port(), compiled_model("llama"))
+    try:
+        yield app
+    finally:
+        stop_app()
+
+
+def metric_sum(app: RunningApp, family: str, **labels: str) -> float:
+    """Sum of a metric family's samples (optionally filtered by labels) from /metrics."""
+    text = httpx.get(f"{app.url}/metrics", timeout=30).text
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        if fam.name != family:
+            continue
+        for sample in fam.samples:
+            if sample.name.endswith("_created"):
+                continue
+            if all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.5, what: str = "") -> float:
+    """Poll ``predicate`` until true; return the seconds it took; fail after ``timeout``."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, f"timed out after {timeout} s: {what}"
+        time.sleep(interval)  # polling interval
+    return time.monotonic() - start
+
+
+def replica_stats(app: RunningApp, want: int = 2) -> dict[str, dict]:
+    """engine_stats of every replica of the tiny model (Serve routes each call to one)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(f"LLMServer:{MODEL}", "rbln-ray")
+    found: dict[str, dict] = {}
+    for _ in range(80):  # a replica missing after 80 random routings: p = 2^-80
+        stats = handle.engine_stats.remote().result()
+        found[stats["actor_name"]] = stats
+        if len(found) == want:
+            break
+    return found
