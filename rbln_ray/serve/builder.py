@@ -11,6 +11,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from rbln_ray.serve.config import DEMO_MODEL, AppConfig, ModelDeploymentConfig, load_config
 from rbln_ray.serve.ingress import OpenAIIngress, app
@@ -27,24 +28,38 @@ def server_deployment_name(model_name: str) -> str:
     return f"LLMServer:{model_name}"
 
 
-def devices_per_worker(cfg: ModelDeploymentConfig) -> int:
-    """RBLN devices each worker actor holds: the compiled artifact's shard group size."""
+def worker_layout(cfg: ModelDeploymentConfig) -> tuple[int, int]:
+    """(workers, RBLN devices per worker) of one engine, from the compiled artifact if any.
+
+    Workers are pipeline stages; each holds the artifact's shard group (``num_devices``).
+    """
     from rbln_ray.vllm_plugin.artifact import CompiledArtifact, is_compiled_dir
 
-    if cfg.devices_per_worker is not None:
-        return cfg.devices_per_worker
     if cfg.model != DEMO_MODEL and is_compiled_dir(cfg.model):
-        return CompiledArtifact.load(cfg.model).num_devices
-    return int(cfg.compile.get("num_devices", 1))
+        art = CompiledArtifact.load(cfg.model)
+        if cfg.pipeline_stages not in (1, art.num_stages):
+            raise ValueError(
+                f"model {cfg.name}: pipeline_stages={cfg.pipeline_stages} but {cfg.model} was "
+                f"compiled with {art.num_stages} stage(s)"
+            )
+        return art.num_stages, cfg.devices_per_worker or art.num_devices
+    if cfg.pipeline_stages > 1:
+        raise ValueError(
+            f"model {cfg.name}: pipeline_stages={cfg.pipeline_stages} needs a staged artifact; "
+            "compile one with `rbln-ray compile HF_DIR OUT --pipeline-stages S` and serve OUT"
+        )
+    return 1, cfg.devices_per_worker or int(cfg.compile.get("num_devices", 1))
 
 
 def server_bundles(cfg: ModelDeploymentConfig) -> list[dict[str, float]]:
     """Replica placement group: the replica itself, then one RBLN bundle per worker."""
-    devices = devices_per_worker(cfg)
-    return [{"CPU": 1}] + [{"RBLN": devices, "CPU": 1} for _ in range(cfg.pipeline_stages)]
+    workers, devices = worker_layout(cfg)
+    return [{"CPU": 1}] + [{"RBLN": devices, "CPU": 1} for _ in range(workers)]
 
 
-def build_server(cfg: ModelDeploymentConfig, metrics_hub: Application) -> Application:
+def build_server(
+    cfg: ModelDeploymentConfig, metrics_hub: Application, routing: str = "load_aware"
+) -> Application:
     options: dict[str, Any] = {
         "name": server_deployment_name(cfg.name),
         "placement_group_bundles": server_bundles(cfg),
@@ -56,6 +71,10 @@ def build_server(cfg: ModelDeploymentConfig, metrics_hub: Application) -> Applic
         "graceful_shutdown_timeout_s": 30,
         "ray_actor_options": {"num_cpus": 0},
     }
+    if routing == "prefix_affinity":
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class="rbln_ray.serve.routing.PrefixAffinityRouter"
+        )
     if cfg.autoscaling_config is not None:
         options["autoscaling_config"] = cfg.autoscaling_config
     else:
@@ -73,7 +92,7 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
         .options(name="MetricsHub", num_replicas=1, ray_actor_options={"num_cpus": 0})
         .bind()
     )
-    servers = {m.name: build_server(m, hub) for m in config.models}
+    servers = {m.name: build_server(m, hub, config.routing) for m in config.models}
     ingress = serve.deployment(serve.ingress(app)(OpenAIIngress)).options(
         name=INGRESS_NAME, ray_actor_options={"num_cpus": 0}
     )

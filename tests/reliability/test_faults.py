@@ -74,7 +74,9 @@ async def load_with_fault(app: RunningApp, fault) -> tuple[list[dict], float]:
     return outcomes, fault_at
 
 
-def check_terminal_and_recovery(app: RunningApp, outcomes: list[dict]) -> None:
+def check_terminal_and_recovery(
+    app: RunningApp, outcomes: list[dict], fault_at: float, label: str
+) -> None:
     # Exactly one terminal outcome each: a complete stream ([DONE] without error), or an error.
     for o in outcomes:
         completed = o["status"] == 200 and o["done"] and o["error"] is None
@@ -92,9 +94,14 @@ def check_terminal_and_recovery(app: RunningApp, outcomes: list[dict]) -> None:
         ]
         return codes == [200] * 8
 
-    wait_until(all_ok, timeout=300, interval=1, what="success back to 100 %")
+    recovered = wait_until(all_ok, timeout=300, interval=1, what="success back to 100 %")
     wait_until(lambda: httpx.get(f"{app.url}/health").status_code == 200, 300, 1, "health")
     assert len(replica_stats(app)) == 2
+    slowest = max(o["ended"] - fault_at for o in failed)
+    print(
+        f"{label}: {len(failed)}/{len(outcomes)} streams failed, last error "
+        f"{slowest:.1f} s after the fault; 100 % success again {recovered:.0f} s later"
+    )
 
 
 def test_killing_a_worker_actor_fails_only_its_requests_fast(tiny_app: RunningApp) -> None:
@@ -106,7 +113,7 @@ def test_killing_a_worker_actor_fails_only_its_requests_fast(tiny_app: RunningAp
     # In-flight requests of the engine that lost its worker fail within 30 s of the kill.
     failed = [o for o in outcomes if o["error"]]
     assert all(o["ended"] - fault_at < 30 for o in failed), failed
-    check_terminal_and_recovery(tiny_app, outcomes)
+    check_terminal_and_recovery(tiny_app, outcomes, fault_at, "worker kill")
 
 
 def test_killing_a_replica_fails_only_its_requests_fast(tiny_app: RunningApp) -> None:
@@ -119,4 +126,4 @@ def test_killing_a_replica_fails_only_its_requests_fast(tiny_app: RunningApp) ->
     outcomes, fault_at = asyncio.run(load_with_fault(tiny_app, kill_replica))
     failed = [o for o in outcomes if o["error"]]
     assert all(o["ended"] - fault_at < 30 for o in failed), failed
-    check_terminal_and_recovery(tiny_app, outcomes)
+    check_terminal_and_recovery(tiny_app, outcomes, fault_at, "replica kill")

@@ -1,0 +1,57 @@
+"""Serve config validation and the prefix-affinity ranking (no cluster needed)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from rbln_ray.serve.config import load_config
+from rbln_ray.serve.routing import prompt_prefix, rank
+
+
+def test_config_rejects_bad_documents(tmp_path) -> None:
+    good = {"models": [{"name": "m", "model": str(tmp_path)}]}
+    assert load_config(good).models[0].num_replicas == 1
+    bad = [
+        {"models": []},
+        {"models": [{"name": "m", "model": str(tmp_path / "missing")}]},
+        {"models": [{"name": "m", "model": str(tmp_path), "compile": {"batchsize": 4}}]},
+        {
+            "models": [
+                {
+                    "name": "m",
+                    "model": str(tmp_path),
+                    "num_replicas": 2,
+                    "autoscaling_config": {"max_replicas": 2},
+                }
+            ]
+        },
+        {"models": [{"name": "m", "model": str(tmp_path)}] * 2},
+        {"models": [{"name": "m", "model": str(tmp_path)}], "port": 70000},
+        {"models": [{"name": "m", "model": str(tmp_path)}], "unknown": 1},
+    ]
+    for doc in bad:
+        with pytest.raises((ValidationError, ValueError)):
+            load_config(doc)
+
+
+def test_prefix_affinity_ranking_is_stable_and_spreads() -> None:
+    replicas = ["r1", "r2", "r3", "r4"]
+    assert rank("system: you are helpful", replicas) == rank("system: you are helpful", replicas)
+    firsts = {rank(f"prompt {i}", replicas)[0] for i in range(64)}
+    assert firsts == set(replicas), "distinct prefixes should spread over all replicas"
+    # Removing a replica moves only the prefixes it owned.
+    for i in range(64):
+        ranked = rank(f"prompt {i}", replicas)
+        if ranked[0] != "r4":
+            assert rank(f"prompt {i}", replicas[:3])[0] == ranked[0]
+
+
+def test_prompt_prefix_reads_completion_and_chat_requests() -> None:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    long = "x" * 1000
+    assert prompt_prefix(CompletionRequest(model="m", prompt=long)) == long[:256]
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert prompt_prefix(chat) == "hi"
