@@ -83,3 +83,22 @@ def run_script(script: str, *args: str, timeout: float = 600, env: dict | None =
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-6000:])
     return json.loads(lines[-1][len("RESULT ") :])
+
+
+def count_refills(history: list) -> int:
+    """Prefills that ran while other requests were mid-decode (they decoded before and after).
+
+    ``history`` is the runner's ``StepStats.history``: (step, kind, request ids). A refill is a
+    freed compiled batch slot reused without draining the batch: continuous batching.
+    """
+    decode_steps: dict[str, list[int]] = {}
+    for step, kind, ids in history:
+        if kind == "decode":
+            for req in ids:
+                decode_steps.setdefault(req, []).append(step)
+    return sum(
+        1
+        for step, kind, ids in history
+        if kind == "prefill"
+        and any(min(v) < step < max(v) for r, v in decode_steps.items() if r != ids[0])
+    )

@@ -17,25 +17,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     sizes = (
         [int(s) for s in args.decoder_batch_sizes.split(",")] if args.decoder_batch_sizes else None
     )
-    if args.pipeline_stages > 1:
-        from rbln_ray.pipeline import compile_pipeline
-
-        out = compile_pipeline(
-            args.hf_dir,
-            args.out_dir,
-            args.pipeline_stages,
-            batch_size=args.batch_size,
-            max_seq_len=args.max_seq_len,
-            attn_impl=args.attn_impl,
-            kvcache_partition_len=args.kvcache_partition_len,
-            num_devices=args.num_devices,
-            decoder_batch_sizes=sizes,
-        )
-        print(f"{args.pipeline_stages}-stage pipeline written to {out}")
-        return 0
-    out = compile_hf_model(
-        args.hf_dir,
-        args.out_dir,
+    settings = dict(
         batch_size=args.batch_size,
         max_seq_len=args.max_seq_len,
         attn_impl=args.attn_impl,
@@ -43,6 +25,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
         num_devices=args.num_devices,
         decoder_batch_sizes=sizes,
     )
+    if args.pipeline_stages > 1:
+        from rbln_ray.pipeline import compile_pipeline
+
+        out = compile_pipeline(args.hf_dir, args.out_dir, args.pipeline_stages, **settings)
+        print(f"{args.pipeline_stages}-stage pipeline written to {out}")
+        return 0
+    out = compile_hf_model(args.hf_dir, args.out_dir, **settings)
     print(f"compiled model written to {out}")
     return 0
 

@@ -76,7 +76,6 @@ class RBLNClient:
 
     @staticmethod
     def _finished(item: Any, text: str) -> Completion:
-        _raise_if_error(item)
         usage = item.get("usage") or {}
         return Completion(
             text=text,

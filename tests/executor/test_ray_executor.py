@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,12 +18,13 @@ import pytest
 
 from rbln_ray.executor import PlacementPlan
 from tests.conftest import hf_greedy
+from tests.ray_cluster import ENGINE_ENV, multinode_cluster, run_engine_script
+from tests.ray_cluster import wait_all_rbln_free as wait_rbln
 
 SCRIPT = Path(__file__).with_name("engine_script.py")
 PROMPTS = [[1, 17, 42, 99, 7], [5, 6, 7, 8, 9, 10, 11], [300, 200, 100]]
 MAX_TOKENS = 12
 DEVICES_PER_NODE = 2
-ENGINE_ENV = {"RBLN_RAY_DEVICE": "emulated", "OMP_NUM_THREADS": "1"}
 
 
 # -- no cluster needed ------------------------------------------------------------------------
@@ -76,55 +75,16 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Head (no RBLN) + 2 nodes × 2 RBLN; devices are 0..1 on each node. Yields the address."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from rbln_ray.emulator import ensure_runtime
-
-    os.environ.update(ENGINE_ENV)
-    ensure_runtime()  # raylets and workers inherit the emulator's PYTHONPATH shim
-    os.environ["RBLN_RAY_CACHE"] = str(tmp_path_factory.mktemp("rbln-cache"))
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"RBLN": 0}})
-    for _ in range(2):
-        c.add_node(num_cpus=2, resources={"RBLN": DEVICES_PER_NODE})
-    c.wait_for_nodes()
-    ray.init(address=c.address)
-    try:
-        yield c.address
-    finally:
-        ray.shutdown()
-        c.shutdown()
+    with multinode_cluster(tmp_path_factory.mktemp("rbln-cache"), 2, DEVICES_PER_NODE) as address:
+        yield address
 
 
 def run_script(address: str, spec: dict, timeout: float = 300) -> dict:
-    env = dict(os.environ, RAY_ADDRESS=address, **ENGINE_ENV)
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), json.dumps(spec)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return {**json.loads(line[len("RESULT ") :]), "stderr": proc.stderr}
-    raise AssertionError(
-        f"engine script failed (rc {proc.returncode}):\n"
-        f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
+    return run_engine_script(SCRIPT, address, spec, timeout)
 
 
 def wait_all_rbln_free(timeout: float = 30) -> float:
-    """Bounded wait until the cluster's RBLN are all free again; returns what is free."""
-    import ray
-
-    deadline = time.monotonic() + timeout
-    while True:
-        free = ray.available_resources().get("RBLN", 0)
-        if free == 2 * DEVICES_PER_NODE or time.monotonic() > deadline:
-            return free
-        time.sleep(0.2)  # polling a condition with a deadline, not synchronising by sleep
+    return wait_rbln(2 * DEVICES_PER_NODE, timeout)
 
 
 @pytest.fixture(scope="module")

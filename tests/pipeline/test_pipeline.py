@@ -6,23 +6,20 @@ One cluster and one set of compiled artifacts per module; each scenario runs
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import hf_greedy
+from tests.conftest import count_refills, hf_greedy
+from tests.ray_cluster import ENGINE_ENV, multinode_cluster, run_engine_script
+from tests.ray_cluster import wait_all_rbln_free as wait_rbln
 from tests.vllm_plugin.test_llm_greedy import EIGHT_PROMPTS
 
 SCRIPT = Path(__file__).with_name("pipeline_script.py")
 DEVICES_PER_NODE = 2
-ENGINE_ENV = {"RBLN_RAY_DEVICE": "emulated", "OMP_NUM_THREADS": "1"}
 NUM_LAYERS = 4
 COMPILE = {"batch_size": 4, "max_seq_len": 512, "decoder_batch_sizes": [4, 2, 1]}
 
@@ -107,56 +104,17 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Head (no RBLN) + 2 nodes × 2 RBLN. Yields the address."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from rbln_ray.emulator import ensure_runtime
-
-    os.environ.update(ENGINE_ENV)
-    ensure_runtime()  # raylets and workers inherit the emulator's PYTHONPATH shim
-    os.environ["RBLN_RAY_CACHE"] = str(tmp_path_factory.mktemp("rbln-cache"))
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"RBLN": 0}})
-    for _ in range(2):
-        c.add_node(num_cpus=2, resources={"RBLN": DEVICES_PER_NODE})
-    c.wait_for_nodes()
-    ray.init(address=c.address)
-    try:
-        yield c.address
-    finally:
-        ray.shutdown()
-        c.shutdown()
+    """Head (no RBLN) + 2 nodes × 2 RBLN; devices are 0..1 on each node. Yields the address."""
+    with multinode_cluster(tmp_path_factory.mktemp("rbln-cache"), 2, DEVICES_PER_NODE) as address:
+        yield address
 
 
 def run_script(address: str, spec: dict, timeout: float = 600) -> dict:
-    env = dict(os.environ, RAY_ADDRESS=address, **ENGINE_ENV)
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), json.dumps(spec)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    raise AssertionError(
-        f"pipeline script failed (rc {proc.returncode}):\n"
-        f"{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
-    )
+    return run_engine_script(SCRIPT, address, spec, timeout)
 
 
 def wait_all_rbln_free(timeout: float = 30) -> float:
-    """Bounded poll until every RBLN of the cluster is free again; returns what is free."""
-    import ray
-
-    deadline = time.monotonic() + timeout
-    while True:
-        free = ray.available_resources().get("RBLN", 0)
-        if free == 2 * DEVICES_PER_NODE or time.monotonic() > deadline:
-            return free
-        time.sleep(0.2)  # polling a condition with a deadline, not synchronising by sleep
+    return wait_rbln(2 * DEVICES_PER_NODE, timeout)
 
 
 def assert_spread(devices: list[dict], stages: int) -> None:
@@ -230,18 +188,8 @@ def test_continuous_batching_32_requests_two_stages(cluster, artifacts) -> None:
     history = stats["history"]
     assert stats["prefill_steps"] == 32
     assert max(len(ids) for _, kind, ids in history if kind == "decode") == 4
-    decode_steps: dict[str, list[int]] = {}
-    for step, kind, ids in history:
-        if kind == "decode":
-            for req in ids:
-                decode_steps.setdefault(req, []).append(step)
-    refills = [
-        step
-        for step, kind, ids in history
-        if kind == "prefill"
-        and any(min(v) < step < max(v) for r, v in decode_steps.items() if r != ids[0])
-    ]
-    assert len(refills) >= 10, f"only {len(refills)} prefills interleaved with running decodes"
+    refills = count_refills(history)
+    assert refills >= 10, f"only {refills} prefills interleaved with running decodes"
     # The other stage ran every step too.
     assert engine["rpc"]["step_stats"][1]["stage_device_seconds"] > 0
     assert wait_all_rbln_free() == 4

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from rbln_ray.models import build_tiny_model
-from tests.conftest import compiled_model, hf_greedy, run_script
+from tests.conftest import compiled_model, count_refills, hf_greedy, run_script
 
 pytestmark = pytest.mark.slow
 
@@ -73,14 +73,5 @@ def test_continuous_batching_32_requests_refill_slots() -> None:
     assert max(len(ids) for _, kind, ids in history if kind == "decode") == 4
     # Refilling: some request's prefill ran while other requests were mid-decode (they
     # decoded both before and after it), i.e. a freed slot was reused without draining.
-    decode_steps: dict[str, list[int]] = {}
-    for step, kind, ids in history:
-        if kind == "decode":
-            for req in ids:
-                decode_steps.setdefault(req, []).append(step)
-    refills = [
-        step
-        for step, kind, (req,) in ((s, k, i) for s, k, i in history if k == "prefill")
-        if any(min(v) < step < max(v) for r, v in decode_steps.items() if r != req)
-    ]
-    assert len(refills) >= 10, f"only {len(refills)} prefills interleaved with running decodes"
+    refills = count_refills(history)
+    assert refills >= 10, f"only {refills} prefills interleaved with running decodes"
