@@ -74,3 +74,37 @@ def wait_all_rbln_free(total: float, timeout: float = 30) -> float:
         if free == total or time.monotonic() > deadline:
             return free
         time.sleep(0.2)  # polling a condition with a deadline, not synchronising by sleep
+
+
+async def kill_during_generation(
+    engine, victim_pid: int, prompts: list[list[int]], max_tokens: int
+) -> dict:
+    """In an engine script: stream ``prompts``, SIGKILL ``victim_pid`` at the first token and
+    report how every request ended (``errors``), how long that took, and what never ended."""
+    import asyncio
+    import signal
+
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    first_token = asyncio.Event()
+    errors: list[str] = []
+
+    async def one(i: int, prompt: list[int]) -> None:
+        try:
+            async for _ in engine.generate({"prompt_token_ids": prompt}, params, f"r{i}"):
+                first_token.set()
+        except Exception as e:  # noqa: BLE001 - the errors are what we report
+            errors.append(f"{type(e).__name__}: {e}")
+        else:
+            errors.append("finished without error")
+
+    tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
+    await asyncio.wait_for(first_token.wait(), timeout=120)
+    os.kill(victim_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    _, pending = await asyncio.wait(tasks, timeout=60)
+    error_s = time.monotonic() - killed_at
+    for task in pending:
+        task.cancel()
+    return {"errors": errors, "error_s": error_s, "pending": len(pending)}

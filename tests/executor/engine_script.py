@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import sys
 import time
 from typing import Any
@@ -74,29 +73,11 @@ async def _kill(spec: dict) -> dict:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from tests.ray_cluster import kill_during_generation  # the repo root is on PYTHONPATH
+
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**_engine_kwargs(spec)))
     info = (await engine.collective_rpc("device_info"))[0]
-    params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
-    first_token = asyncio.Event()
-    errors: list[str] = []
-
-    async def one(i: int, prompt: list[int]) -> None:
-        try:
-            async for _ in engine.generate({"prompt_token_ids": prompt}, params, f"r{i}"):
-                first_token.set()
-        except Exception as e:  # noqa: BLE001 - the errors are what we report
-            errors.append(f"{type(e).__name__}: {e}")
-        else:
-            errors.append("finished without error")
-
-    tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(spec["prompts"])]
-    await asyncio.wait_for(first_token.wait(), timeout=120)
-    os.kill(info["pid"], signal.SIGKILL)
-    killed_at = time.monotonic()
-    done, pending = await asyncio.wait(tasks, timeout=60)
-    error_s = time.monotonic() - killed_at
-    for task in pending:
-        task.cancel()
+    outcome = await kill_during_generation(engine, info["pid"], spec["prompts"], spec["max_tokens"])
     engine.shutdown()
     from rbln_ray.emulator import list_devices
 
@@ -111,10 +92,8 @@ async def _kill(spec: dict) -> dict:
         tokens = list(out.outputs[0].token_ids)
     engine.shutdown()
     return {
+        **outcome,
         "killed": info,
-        "errors": errors,
-        "error_s": error_s,
-        "pending": len(pending),
         "holder_after_shutdown": holder,
         "restarted": restarted,
         "restart_tokens": tokens,
