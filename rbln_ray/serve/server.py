@@ -98,10 +98,9 @@ class LLMServer:
 
         from rbln_ray.serve.metrics import device_metrics_text
 
-        infos = await self.engine.collective_rpc("device_info")
-        stats = await self.engine.collective_rpc("step_stats")
+        engine = await self.engine_stats()
         vllm_text = prometheus_client.generate_latest().decode()
-        return vllm_text + device_metrics_text(self.cfg.name, stats, infos)
+        return vllm_text + device_metrics_text(self.cfg.name, engine["steps"], engine["workers"])
 
     async def _push_metrics(self, hub: Any) -> None:
         """Feed the app's MetricsHub (see :mod:`rbln_ray.serve.metrics`) until shutdown."""
