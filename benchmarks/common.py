@@ -186,7 +186,6 @@ def deploy_serve_app(compiled: Path, num_replicas: int, port: int, **model_extra
                     "name": "demo",
                     "model": str(compiled),
                     "num_replicas": num_replicas,
-                    "max_ongoing_requests": 256,
                     **model_extra,
                 }
             ],

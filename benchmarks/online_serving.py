@@ -27,6 +27,16 @@ from benchmarks.loadgen import run_load, wait_ready
 GOAL_SERVE_RATIO = 0.95
 
 
+def http_runs(name: str, url: str, prompts, concurrencies, args) -> dict:
+    """The load generator at each concurrency against a server that is starting at ``url``."""
+    asyncio.run(wait_ready(url, 600))
+    out = {}
+    for c in concurrencies:
+        out[str(c)] = asyncio.run(run_load(url, "demo", prompts, args.output_len, c))
+        _print(name, c, out[str(c)])
+    return out
+
+
 def serve_runs(compiled, prompts, concurrencies, args) -> dict:
     import ray
     from ray import serve
@@ -39,19 +49,14 @@ def serve_runs(compiled, prompts, concurrencies, args) -> dict:
         log_to_driver=False,
         include_dashboard=False,
     )
-    out = {}
     try:
         port = common.free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = common.deploy_serve_app(compiled, 1, port)
-        asyncio.run(wait_ready(url, 600))
-        for c in concurrencies:
-            out[str(c)] = asyncio.run(run_load(url, "demo", prompts, args.output_len, c))
-            _print("serve-http", c, out[str(c)])
+        return http_runs("serve-http", url, prompts, concurrencies, args)
     finally:
         serve.shutdown()
         ray.shutdown()
-    return out
 
 
 def vllm_serve_runs(hf_dir, prompts, concurrencies, args) -> dict:
@@ -88,13 +93,8 @@ def vllm_serve_runs(hf_dir, prompts, concurrencies, args) -> dict:
     ]
     log = open(common.RESULTS / "vllm_serve.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=common.ROOT)
-    out = {}
     try:
-        url = f"http://127.0.0.1:{port}"
-        asyncio.run(wait_ready(url, 600))
-        for c in concurrencies:
-            out[str(c)] = asyncio.run(run_load(url, "demo", prompts, args.output_len, c))
-            _print("vllm-serve", c, out[str(c)])
+        return http_runs("vllm-serve", f"http://127.0.0.1:{port}", prompts, concurrencies, args)
     finally:
         proc.terminate()
         try:
@@ -102,7 +102,6 @@ def vllm_serve_runs(hf_dir, prompts, concurrencies, args) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-    return out
 
 
 def inprocess_runs(backend, model, concurrencies, args) -> dict:

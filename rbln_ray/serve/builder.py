@@ -51,6 +51,27 @@ def worker_layout(cfg: ModelDeploymentConfig) -> tuple[int, int]:
     return 1, cfg.devices_per_worker or int(cfg.compile.get("num_devices", 1))
 
 
+def compiled_batch_size(cfg: ModelDeploymentConfig) -> int:
+    """Decode slots of one engine: the artifact's batch, or the batch it will be compiled with."""
+    from rbln_ray.vllm_plugin.artifact import CompiledArtifact, is_compiled_dir
+    from rbln_ray.vllm_plugin.loader import CompileSettings
+
+    if cfg.model != DEMO_MODEL and is_compiled_dir(cfg.model):
+        return CompiledArtifact.load(cfg.model).batch_size
+    return CompileSettings.from_dict(cfg.compile).batch_size
+
+
+def replica_max_ongoing(cfg: ModelDeploymentConfig) -> int:
+    """Requests Serve hands one replica at a time: by default 2 x its decode slots.
+
+    A full batch plus one batch ready to prefill keeps the device busy; the rest wait in
+    Serve's queue and go to whichever replica frees a slot first. A deep per-replica queue
+    would commit requests early to one replica's vLLM queue and leave others idle at the end
+    of a burst (measured: 4 replicas at 0.85 x linear with 64 per replica on batch 4).
+    """
+    return cfg.max_ongoing_requests or 2 * compiled_batch_size(cfg)
+
+
 def server_bundles(cfg: ModelDeploymentConfig) -> list[dict[str, float]]:
     """Replica placement group: the replica itself, then one RBLN bundle per worker."""
     workers, devices = worker_layout(cfg)
@@ -64,7 +85,7 @@ def build_server(
         "name": server_deployment_name(cfg.name),
         "placement_group_bundles": server_bundles(cfg),
         "placement_group_strategy": cfg.placement_strategy,
-        "max_ongoing_requests": cfg.max_ongoing_requests,
+        "max_ongoing_requests": replica_max_ongoing(cfg),
         "max_queued_requests": cfg.max_queued_requests,
         "health_check_period_s": 5,
         "health_check_timeout_s": 30,
@@ -94,6 +115,9 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
     )
     servers = {m.name: build_server(m, hub, config.routing) for m in config.models}
     ingress = serve.deployment(serve.ingress(app)(OpenAIIngress)).options(
-        name=INGRESS_NAME, ray_actor_options={"num_cpus": 0}
+        name=INGRESS_NAME,
+        num_replicas=config.ingress.num_replicas,
+        max_ongoing_requests=config.ingress.max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},
     )
     return ingress.bind(servers, config.resolved_api_key(), hub, config.limits.model_dump())

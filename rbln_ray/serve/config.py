@@ -7,6 +7,7 @@ Example (YAML)::
     port: 8000
     api_key: null            # or a string; `api_key_env` names an env var instead
     routing: load_aware      # or prefix_affinity
+    ingress: {num_replicas: 1, max_ongoing_requests: 4096}
     models:
       - name: demo
         model: demo          # "demo", a compiled optimum-rbln dir, or an HF dir
@@ -45,6 +46,20 @@ class RequestLimits(_Strict):
     max_tokens: int = Field(default=4096, ge=1)
 
 
+class IngressConfig(_Strict):
+    """The HTTP ingress deployment (validation, routing by ``model``, SSE relay).
+
+    The ingress only awaits I/O, so one replica carries thousands of open streams. Serve's
+    default ``max_ongoing_requests`` (5) would cap the *whole app* at 5 requests in flight per
+    ingress replica and starve the model replicas behind it (measured: 2 model replicas gave
+    1.17x one replica's throughput). Back-pressure belongs to the model deployments
+    (``max_ongoing_requests`` + ``max_queued_requests`` → 429), so this cap is set high.
+    """
+
+    num_replicas: int = Field(default=1, ge=1)
+    max_ongoing_requests: int = Field(default=4096, ge=1)
+
+
 class ModelDeploymentConfig(_Strict):
     """One served model: where it comes from and how many devices/replicas it gets."""
 
@@ -57,7 +72,8 @@ class ModelDeploymentConfig(_Strict):
     devices_per_worker: int | None = Field(default=None, ge=1)
     placement_strategy: PlacementStrategy = "PACK"
     placement_timeout_s: float = Field(default=120.0, gt=0)
-    max_ongoing_requests: int = Field(default=64, ge=1)
+    # Default: 2 x the compiled batch (see builder.replica_max_ongoing).
+    max_ongoing_requests: int | None = Field(default=None, ge=1)
     # Requests waiting for a replica beyond this get 429 instead of queueing without bound.
     max_queued_requests: int = Field(default=256, ge=1)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -95,6 +111,7 @@ class AppConfig(_Strict):
     api_key_env: str | None = None
     routing: Literal["load_aware", "prefix_affinity"] = "load_aware"
     limits: RequestLimits = Field(default_factory=lambda: RequestLimits())
+    ingress: IngressConfig = Field(default_factory=lambda: IngressConfig())
     models: list[ModelDeploymentConfig] = Field(min_length=1)
 
     @model_validator(mode="after")

@@ -211,7 +211,12 @@ class RBLNModelRunner:
 
     # ----------------------------------------------------------------- vLLM entry points
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run the device for this step; logits wait for :meth:`sample_tokens`."""
+        """Run the device for this step, and sample too unless a grammar must mask the logits.
+
+        vLLM's engine calls :meth:`sample_tokens` only when this returns None. Sampling here
+        when no request uses structured output saves the engine a second call per step, which
+        with the Ray executor is a second actor round trip.
+        """
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -231,7 +236,7 @@ class RBLNModelRunner:
         else:
             logits = self._decode(req_ids)
         self._pending = (so, logits.float())
-        return None
+        return None if so.has_structured_output_requests else self.sample_tokens(None)
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """Sample on the host with vLLM's sampler and record the new tokens."""

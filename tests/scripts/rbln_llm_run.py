@@ -2,7 +2,8 @@
 
 Tests run vLLM in a subprocess: vLLM resolves its platform once per process, and engines are
 heavy. Input (argv[1], JSON): ``{"model": dir, "llm_kwargs": {...}, "requests": [{"prompt":
-str | "prompt_token_ids": [...], "params": {SamplingParams fields}}], "rpc": [method, ...]}``.
+str | "prompt_token_ids": [...], "params": {SamplingParams fields;
+structured_outputs as a dict}}], "rpc": [method, ...]}``.
 Output: one line ``RESULT {...}`` with per-request outputs and the collective_rpc results.
 """
 
@@ -21,6 +22,7 @@ def _logprobs(lp):
 
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
     spec = json.loads(sys.argv[1])
     llm = LLM(model=spec["model"], seed=0, **spec.get("llm_kwargs", {}))
@@ -30,7 +32,10 @@ if __name__ == "__main__":
             prompts.append(req["prompt"])
         else:
             prompts.append({"prompt_token_ids": req["prompt_token_ids"]})
-        params.append(SamplingParams(**req.get("params", {})))
+        kw = dict(req.get("params", {}))
+        if "structured_outputs" in kw:
+            kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
+        params.append(SamplingParams(**kw))
     outputs = llm.generate(prompts, params, use_tqdm=False)
     result = {
         "outputs": [

@@ -99,6 +99,39 @@ def test_32_concurrent_requests_use_both_replicas_on_distinct_devices(
     assert len(devices) == 2 and len(set(devices)) == 2, devices
 
 
+def test_ingress_admits_more_streams_than_serves_default_cap(demo_app: RunningApp) -> None:
+    """6 streams on 2 replicas x 4 slots all start before any ends.
+
+    Serve's default ``max_ongoing_requests`` (5) on the ingress would hold the 6th request
+    until one of the first five finished; the app must not cap itself below its slots.
+    """
+    events: list[tuple[str, int]] = []
+
+    def stream(i: int) -> None:
+        body = {
+            "model": "demo",
+            "prompt": f"def f{i}():\n",
+            "max_tokens": 96,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        url = f"{demo_app.url}/v1/completions"
+        with httpx.stream("POST", url, json=body, headers=AUTH, timeout=300) as r:
+            assert r.status_code == 200
+            first = True
+            for line in r.iter_lines():
+                if first and line.startswith("data: {"):
+                    events.append(("first", i))
+                    first = False
+            events.append(("done", i))
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        list(pool.map(stream, range(6)))
+    kinds = [kind for kind, _ in events]
+    assert len(kinds) == 12 and kinds.index("done") == 6, events
+
+
 @pytest.mark.parametrize(
     ("body", "status", "needle"),
     [

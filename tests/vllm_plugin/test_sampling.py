@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -12,6 +13,8 @@ from tests.conftest import compiled_model, hf_greedy, run_script
 pytestmark = pytest.mark.slow
 
 PROMPT = [100, 200, 300, 400, 500, 600, 700]
+CHOICES = ["def main():", "class Parser:", "import os"]
+REGEX = r"[0-9]{3}-[a-z]{4}"
 
 
 def test_sampling_parameters() -> None:
@@ -38,6 +41,10 @@ def test_sampling_parameters() -> None:
         "stop": req(temperature=0.0, stop=[stop], ignore_eos=True),
         "n3": req(temperature=1.0, n=3, seed=3),
         "logprobs": req(temperature=0.0, logprobs=5, ignore_eos=True),
+        # Grammar-masked steps (sampled after the engine's bitmask) share batches with the
+        # requests above, whose outputs must stay exact.
+        "choice": req(temperature=0.0, structured_outputs={"choice": CHOICES}),
+        "regex": req(temperature=1.0, seed=7, structured_outputs={"regex": REGEX}),
     }
     spec = {"model": str(compiled_model("llama")), "requests": list(requests.values())}
     result = run_script("rbln_llm_run.py", json.dumps(spec))
@@ -53,6 +60,8 @@ def test_sampling_parameters() -> None:
     assert outs["stop"][0]["finish_reason"] == "stop"
     assert outs["stop"][0]["text"] == greedy_text[: greedy_text.index(stop)]
     assert len(outs["n3"]) == 3 and len({tuple(c["token_ids"]) for c in outs["n3"]}) > 1
+    assert outs["choice"][0]["text"] in CHOICES, outs["choice"]
+    assert re.fullmatch(REGEX, outs["regex"][0]["text"]), outs["regex"]
 
     # logprobs: the top-5 plus the sampled token, with values from the model's log-softmax.
     steps = outs["logprobs"][0]["logprobs"]
