@@ -232,8 +232,12 @@ def wait_nodes(dashboard: str, expected: int, deadline: float) -> list[dict]:
                         "rbln": n.resources_total.get("RBLN", 0),
                         "cpu": n.resources_total.get("CPU", 0),
                         "accelerator_type": next(
-                            (r.split(":", 1)[1] for r in n.resources_total
-                             if r.startswith("accelerator_type:")), None
+                            (
+                                r.split(":", 1)[1]
+                                for r in n.resources_total
+                                if r.startswith("accelerator_type:")
+                            ),
+                            None,
                         ),  # fmt: skip
                     }
                     for n in nodes
