@@ -238,7 +238,7 @@ def wait_nodes(dashboard: str, expected: int, deadline: float) -> list[dict]:
                                 if r.startswith("accelerator_type:")
                             ),
                             None,
-                        ),  # fmt: skip
+                        ),
                     }
                     for n in nodes
                 ]
