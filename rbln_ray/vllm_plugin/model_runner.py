@@ -178,17 +178,20 @@ class RBLNModelRunner:
             order.sort(key=lambda i: -positions[i])
         free = self._free_blocks()
         pad_block = free[0] if free else NO_BLOCK
-        ids = torch.zeros(bs, 1, dtype=torch.long)
-        cache_pos = torch.zeros(bs, 1, dtype=torch.int32)
-        table = torch.full((bs, self.artifact.blocks_per_seq), pad_block, dtype=torch.int16)
-        for row, i in enumerate(order):
-            state = self.requests[req_ids[i]]
-            ids[row, 0] = state.get_token_id(positions[i])
-            cache_pos[row, 0] = positions[i]
-            table[row] = torch.tensor(self._block_row(self._rbln_blocks(state), pad_block))
-        for row in range(len(req_ids), bs):  # padding rows: each its own scratch block
-            scratch = free[row - len(req_ids)] if row - len(req_ids) < len(free) else NO_BLOCK
-            table[row, 0] = scratch
+        # Inputs are built as lists and converted once: per-row tensor writes cost ~10 us
+        # each, a measurable share of the host time per step at batch 8.
+        pos = [positions[i] for i in order]
+        states = [self.requests[req_ids[i]] for i in order]
+        padding = bs - len(req_ids)
+        ids = torch.tensor(
+            [s.get_token_id(p) for s, p in zip(states, pos, strict=True)] + [0] * padding,
+            dtype=torch.long,
+        ).view(bs, 1)
+        cache_pos = torch.tensor(pos + [0] * padding, dtype=torch.int32).view(bs, 1)
+        rows = [self._block_row(self._rbln_blocks(s), pad_block) for s in states]
+        for k in range(padding):  # padding rows: each its own scratch block
+            rows.append(self._block_row([free[k] if k < len(free) else NO_BLOCK], pad_block))
+        table = torch.tensor(rows, dtype=torch.int16)
         mask = None
         if self.artifact.use_attention_mask:
             # optimum's own decoder mask buffer is sized for the full batch; pass ours per call.
@@ -203,11 +206,13 @@ class RBLNModelRunner:
         self.stats.decode_rows += len(req_ids)
         self.stats.padded_rows += bs - len(req_ids)
         self.stats.record("decode", req_ids)
-        logits = out.logits[:, -1, :]
-        result = torch.empty(len(req_ids), logits.shape[-1], dtype=logits.dtype)
+        logits = out.logits[: len(req_ids), -1, :]
+        if order == sorted(order):
+            return logits
+        inverse = [0] * len(order)
         for row, i in enumerate(order):
-            result[i] = logits[row]
-        return result
+            inverse[i] = row
+        return logits[torch.tensor(inverse)]
 
     # ----------------------------------------------------------------- vLLM entry points
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
