@@ -132,7 +132,7 @@ def inprocess_runs(backend, model, concurrencies, args, executor: str = "uni") -
             "warmup": 2,
         }
         out[str(c)] = common.run_json("engine_run.py", spec, common.base_env(), timeout=3600)
-        _print(f"{backend}-inproc-{executor}", c, out[str(c)])
+        _print(f"{backend}-inproc{'-ray' if executor == 'ray' else ''}", c, out[str(c)])
     return out
 
 
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         axes[0].plot(xs, [per_c[str(c)]["output_tok_per_s"] for c in xs], marker="o", label=name)
         axes[1].plot(xs, [per_c[str(c)]["ttft_ms"]["p50"] for c in xs], marker="o", label=name)
         axes[2].plot(xs, [per_c[str(c)]["tpot_ms"]["p50"] for c in xs], marker="o", label=name)
-    for ax, title in zip(axes, ["output tok/s", "TTFT p50 (ms)", "TPOT p50 (ms)"], strict=True):
+    for ax, title in zip(axes[:3], ["output tok/s", "TTFT p50 (ms)", "TPOT p50 (ms)"], strict=True):
         ax.set_xlabel("concurrency")
         ax.set_title(title)
     axes[0].legend(fontsize=7)
