@@ -17,8 +17,6 @@ What it does:
   ``STRICT_PACK``, ``STRICT_SPREAD``);
 * starts one actor per bundle running ``RBLNWorker``; Ray sets ``RBLN_DEVICES`` for it and the
   worker opens its devices as indices into that list (``local_rank=0``);
-* sends each step to the coordinating worker through a Ray Compiled Graph (a channel set up
-  once; ``additional_config["rbln_compiled_graph"] = False`` uses regular actor calls);
 * fails fast: a dead actor makes in-flight steps raise and fires vLLM's failure callback;
 * ``shutdown`` kills the actors and removes the placement group, and returns only after the
   actors are gone, so the devices are immediately free for a new engine.

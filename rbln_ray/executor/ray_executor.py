@@ -8,8 +8,6 @@ for every step, so a dead worker must make that call raise, not hang. Two paths 
 * every wait on worker results is a ``ray.wait`` loop that fetches finished refs at once
   (a dead actor's refs finish with ``RayActorError``) and re-checks the executor's failed
   flag every second;
-* the per-step call runs as a Ray Compiled Graph (:mod:`rbln_ray.executor.step_graph`);
-  when its actor dies, Ray tears the graph down, which ends the blocked read with an error;
 * a monitor thread waits on one never-returning ``sentinel`` call per actor; when one
   finishes, the actor is dead: the executor marks itself failed, fires vLLM's failure
   callback (which wakes an idle engine loop so it reports the error) and frees the other
@@ -39,7 +37,6 @@ from vllm.v1.outputs import ModelRunnerOutput
 from rbln_ray.executor import placement
 from rbln_ray.executor.actor import LIVENESS_GROUP, RBLNWorkerActor
 from rbln_ray.executor.cluster import connect, worker_env
-from rbln_ray.executor.step_graph import COMPILED_GRAPH_KEY, StepGraph
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +112,6 @@ class RBLNRayExecutor(Executor):
         self._workers: list[_Worker] = []
         self._resources = _Resources(self._workers)
         self._monitor: threading.Thread | None = None
-        self._step_graph: StepGraph | None = None
 
         connect(self.vllm_config)
         artifact = compiled_artifact(self.vllm_config)
@@ -134,8 +130,6 @@ class RBLNRayExecutor(Executor):
                 # Pipeline stages: stage 0 coordinates and calls stages 1..S-1 directly.
                 peers = [w.actor for w in self._workers[1:]]
                 self._rpc_driver_worker("set_pipeline_peers", (peers,))
-            if (self.vllm_config.additional_config or {}).get(COMPILED_GRAPH_KEY, True):
-                self._step_graph = StepGraph.try_compile(self._workers[0].actor)
         except BaseException:
             self.shutdown()
             raise
@@ -228,17 +222,7 @@ class RBLNRayExecutor(Executor):
     def execute_model(  # type: ignore[override]
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
-        if self._step_graph is None:
-            return self._rpc_driver_worker("execute_model", (scheduler_output,), non_block)
-        self._raise_if_failed()
-        future = self._step_graph.submit(scheduler_output, self._step_worker_died)
-        return future if non_block else future.result()
-
-    def _step_worker_died(self, error: BaseException) -> RBLNWorkerDiedError:
-        """The compiled step's read failed because an actor died: fail the executor. (The
-        monitor usually gets there first, with the dead worker's name.)"""
-        self._fail(f"an RBLN worker actor died during a step: {_first_line(error)}")
-        return RBLNWorkerDiedError(self._failed or _first_line(error))
+        return self._rpc_driver_worker("execute_model", (scheduler_output,), non_block)
 
     def sample_tokens(  # type: ignore[override]
         self, grammar_output: GrammarOutput | None, non_block: bool = False
@@ -338,8 +322,6 @@ class RBLNRayExecutor(Executor):
             already = self._stopping.is_set()
             self._stopping.set()
         if not already:
-            if self._step_graph is not None and self._failed is None:
-                self._step_graph.teardown()  # before the actors go: a dead peer stalls it
             monitor = self._monitor
             if monitor is not None and monitor is not threading.current_thread():
                 monitor.join(timeout=2 * POLL_S + 1)

@@ -126,7 +126,6 @@ def test_four_engines_one_per_device(cluster, artifacts, reference) -> None:
         assert info["device_ids"] == [0]
         placed.add((info["node"], info["rbln_devices"]))
     assert len(placed) == 4, placed
-    assert result["stderr"].count("through a Ray Compiled Graph") == 4, result["stderr"][-3000:]
     assert len({node for node, _ in placed}) == 2
     assert {dev for _, dev in placed} == {"0", "1"}
     assert wait_all_rbln_free() == 4
