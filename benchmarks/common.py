@@ -195,6 +195,20 @@ def deploy_serve_app(compiled: Path, num_replicas: int, port: int, **model_extra
     return f"http://127.0.0.1:{port}"
 
 
+def start_local_ray(num_cpus: int, rbln_devices: int) -> None:
+    """A private Ray instance on this machine with emulated RBLN devices (never joins another
+    cluster: benchmarks must not touch whatever else runs here)."""
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        resources={"RBLN": rbln_devices},
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+
+
 def emulator_env(mode: str, shape: str = "") -> None:
     """Set (in this process, inherited by Ray workers) the emulator mode for Serve runs."""
     os.environ["RBLN_RAY_DEVICE"] = "emulated"

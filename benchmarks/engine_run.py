@@ -172,15 +172,9 @@ def main() -> None:
 
         ensure_runtime()
         if spec.get("executor", "uni") == "ray":
-            import ray
+            from benchmarks.common import start_local_ray
 
-            ray.init(
-                address="local",
-                num_cpus=4,
-                resources={"RBLN": 8},
-                include_dashboard=False,
-                log_to_driver=False,
-            )
+            start_local_ray(num_cpus=4, rbln_devices=8)
     from benchmarks.common import prompts as make_prompts
     from benchmarks.common import vocab_of
 

@@ -51,13 +51,7 @@ def serve_runs(compiled, prompts, concurrencies, args) -> dict:
     from ray import serve
 
     common.emulator_env(args.emulator_mode, args.timing_shape)
-    ray.init(
-        address="local",
-        num_cpus=8,
-        resources={"RBLN": 4},
-        log_to_driver=False,
-        include_dashboard=False,
-    )
+    common.start_local_ray(num_cpus=8, rbln_devices=4)
     try:
         port = common.free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
