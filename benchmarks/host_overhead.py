@@ -37,23 +37,33 @@ def occupancy(phase: dict, batch: int) -> dict:
     rb = phase["rbln"]
     after, before = rb["step_stats"], rb["step_stats_before"]
     first = before["prefill_steps"] + before["decode_steps"]
-    steps = [(kind, len(ids)) for idx, kind, ids in after["history"] if idx > first]
+    history = after["history"]
+    if history and history[0][0] > first + 1:
+        raise ValueError(
+            f"step history starts at step {history[0][0]}, after the phase's first step "
+            f"{first + 1}: the phase is longer than the runner keeps; shorten it"
+        )
+    steps = [(kind, len(ids)) for idx, kind, ids in history if idx > first]
     last_admission = max(i for i, (kind, _) in enumerate(steps) if kind == "prefill")
+    saturated, tail = steps[:last_admission], steps[last_admission:]
+
+    def decode_rows(window: list[tuple[str, int]]) -> list[int]:
+        return [n for kind, n in window if kind == "decode"]
 
     def rows_ratio(window: list[tuple[str, int]]) -> float | None:
-        decode = [n for kind, n in window if kind == "decode"]
-        return sum(decode) / (len(decode) * batch) if decode else None
+        rows = decode_rows(window)
+        return sum(rows) / (len(rows) * batch) if rows else None
 
     calls = rb["calls"]["calls"]
     start, end = rb["window"]
     busy = sum(c["end"] - c["start"] for c in calls if start <= c["start"] <= end)
     decode_calls = [c for c in calls if c["kind"] == "decode"]
     return {
-        "decode_steps": sum(1 for kind, _ in steps if kind == "decode"),
-        "prefill_steps": sum(1 for kind, _ in steps if kind == "prefill"),
-        "row_occupancy": rows_ratio(steps[:last_admission]),
-        "saturated_decode_steps": sum(1 for kind, _ in steps[:last_admission] if kind == "decode"),
-        "row_occupancy_drain_tail": rows_ratio(steps[last_admission:]),
+        "decode_steps": len(decode_rows(steps)),
+        "prefill_steps": len(steps) - len(decode_rows(steps)),
+        "row_occupancy": rows_ratio(saturated),
+        "saturated_decode_steps": len(decode_rows(saturated)),
+        "row_occupancy_drain_tail": rows_ratio(tail),
         "row_occupancy_whole_phase": rows_ratio(steps),
         "device_busy_fraction": busy / (end - start),
         "decode_calls_by_graph_batch": {

@@ -262,11 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_xlabel("concurrency")
         ax.set_title(title)
     axes[0].legend(fontsize=7)
-    for name, per_c in goals.items():
-        per_c = per_c.get("ratio_by_concurrency", per_c)
-        if isinstance(per_c, dict) and per_c:
-            xs = sorted(int(c) for c in per_c)
-            axes[3].plot(xs, [per_c[str(c)] for c in xs], marker="o", label=name)
+    for name, goal in goals.items():
+        ratios = goal.get("ratio_by_concurrency", goal)  # the judged goal, or a plain ratio
+        if ratios:
+            xs = sorted(int(c) for c in ratios)
+            axes[3].plot(xs, [ratios[str(c)] for c in xs], marker="o", label=name)
     axes[3].axhline(GOAL_SERVE_RATIO, linestyle=":", color="gray")
     axes[3].set_title("HTTP / in-process throughput")
     axes[3].set_xlabel("concurrency")

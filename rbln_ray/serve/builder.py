@@ -17,6 +17,8 @@ from rbln_ray.serve.config import DEMO_MODEL, AppConfig, ModelDeploymentConfig, 
 from rbln_ray.serve.ingress import OpenAIIngress, app
 from rbln_ray.serve.metrics import MetricsHub
 from rbln_ray.serve.server import LLMServer
+from rbln_ray.vllm_plugin.artifact import CompiledArtifact, is_compiled_dir
+from rbln_ray.vllm_plugin.loader import CompileSettings
 
 logger = logging.getLogger(__name__)
 
@@ -28,15 +30,21 @@ def server_deployment_name(model_name: str) -> str:
     return f"LLMServer:{model_name}"
 
 
+def served_artifact(cfg: ModelDeploymentConfig) -> CompiledArtifact | None:
+    """The compiled artifact a replica serves; None when it compiles at start (demo, HF dir),
+    with the settings in ``cfg.compile``."""
+    if cfg.model == DEMO_MODEL or not is_compiled_dir(cfg.model):
+        return None
+    return CompiledArtifact.load(cfg.model)
+
+
 def worker_layout(cfg: ModelDeploymentConfig) -> tuple[int, int]:
     """(workers, RBLN devices per worker) of one engine, from the compiled artifact if any.
 
     Workers are pipeline stages; each holds the artifact's shard group (``num_devices``).
     """
-    from rbln_ray.vllm_plugin.artifact import CompiledArtifact, is_compiled_dir
-
-    if cfg.model != DEMO_MODEL and is_compiled_dir(cfg.model):
-        art = CompiledArtifact.load(cfg.model)
+    art = served_artifact(cfg)
+    if art is not None:
         if cfg.pipeline_stages not in (1, art.num_stages):
             raise ValueError(
                 f"model {cfg.name}: pipeline_stages={cfg.pipeline_stages} but {cfg.model} was "
@@ -48,17 +56,13 @@ def worker_layout(cfg: ModelDeploymentConfig) -> tuple[int, int]:
             f"model {cfg.name}: pipeline_stages={cfg.pipeline_stages} needs a staged artifact; "
             "compile one with `rbln-ray compile HF_DIR OUT --pipeline-stages S` and serve OUT"
         )
-    return 1, cfg.devices_per_worker or int(cfg.compile.get("num_devices", 1))
+    return 1, cfg.devices_per_worker or CompileSettings.from_dict(cfg.compile).num_devices
 
 
 def compiled_batch_size(cfg: ModelDeploymentConfig) -> int:
     """Decode slots of one engine: the artifact's batch, or the batch it will be compiled with."""
-    from rbln_ray.vllm_plugin.artifact import CompiledArtifact, is_compiled_dir
-    from rbln_ray.vllm_plugin.loader import CompileSettings
-
-    if cfg.model != DEMO_MODEL and is_compiled_dir(cfg.model):
-        return CompiledArtifact.load(cfg.model).batch_size
-    return CompileSettings.from_dict(cfg.compile).batch_size
+    art = served_artifact(cfg)
+    return art.batch_size if art is not None else CompileSettings.from_dict(cfg.compile).batch_size
 
 
 def replica_max_ongoing(cfg: ModelDeploymentConfig) -> int:
