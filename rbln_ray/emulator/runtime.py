@@ -179,6 +179,39 @@ class Runtime:
 
     forward = run
 
+    def _copy_kv_cache(self, src_block: int, dst_block: int, length: int) -> None:
+        """Copy the first ``length`` token slots of KV block ``src_block`` into ``dst_block``,
+        in every static KV buffer of this load (all layers' K and V), on the device.
+
+        Rebellions' runtime method of the same name; vllm-rbln 0.12 calls it on the prefill
+        runtime to reuse a cached prefix that lives in another sequence's block. Block ids
+        are the compiled KV block ids (``[num_blocks, Hkv, 1, block, D]`` buffers); an id
+        out of range or a length past the block is an error, never a silent partial copy.
+        """
+        src, dst, length = int(src_block), int(dst_block), int(length)
+        if not self._kv:
+            raise RuntimeError(f"{self!r} has no KV cache to copy")
+        for name, buf in zip(self._cm.kv_shapes, self._kv, strict=True):
+            blocks, slots = buf.shape[0], buf.shape[-2]
+            if not (0 <= src < blocks and 0 <= dst < blocks):
+                raise ValueError(
+                    f"_copy_kv_cache({src}, {dst}, {length}): block ids must be in "
+                    f"[0, {blocks}) for {name}"
+                )
+            if not 0 <= length <= slots:
+                raise ValueError(
+                    f"_copy_kv_cache({src}, {dst}, {length}): length must be in [0, {slots}] "
+                    f"(the KV block size of {name})"
+                )
+        start = time.perf_counter()
+        if self._timing is not None:
+            self._timing.sleep_copy(length, start)
+            return
+        if src != dst and length > 0:
+            for buf in self._kv:
+                buf[dst, ..., :length, :] = buf[src, ..., :length, :]
+        timing.record_copy(start)
+
     @property
     def kv_buffers(self) -> dict[str, torch.Tensor]:
         """The static KV tensors this runtime appends (shared within one load)."""

@@ -289,6 +289,14 @@ def prefill_cost(
     return total
 
 
+def copy_cost(shape: ModelShape, tokens: int, spec: AtomSpec | None = None) -> float:
+    """Seconds for an on-device KV copy of ``tokens`` slots (every layer's K and V): the
+    bytes are read once and written once at DRAM bandwidth, plus one call's fixed cost."""
+    spec = spec or AtomSpec()
+    nbytes = 2.0 * tokens * shape.kv_bytes_per_token
+    return nbytes / (spec.dram_bytes_per_s * spec.dram_eff) + spec.call_overhead_s
+
+
 # ----------------------------------------------------------------------------- mode
 _WARNED = False
 
@@ -314,7 +322,7 @@ class CallRecord:
     start: float  # time.perf_counter() at entry
     end: float
     modelled_s: float | None  # None in compute mode
-    kind: str  # "prefill" or "decode"
+    kind: str  # "prefill", "decode" or "copy"
     batch: int
 
 
@@ -406,6 +414,14 @@ class GraphTiming:
         return outputs
 
 
+    def sleep_copy(self, tokens: int, start: float) -> None:
+        """Timing-mode ``_copy_kv_cache``: sleep the modelled copy time (nothing is copied;
+        timing mode never writes the KV cache)."""
+        seconds = copy_cost(self.shape, tokens, self.spec)
+        sleep_until(start + seconds)
+        record_copy(start, seconds)
+
+
 def describe(inputs: tuple[Any, ...]) -> tuple[str, int, int]:
     """(kind, batch, tokens per row) of a call from its first input ``[batch, tokens]``."""
     first = inputs[0]
@@ -416,6 +432,11 @@ def describe(inputs: tuple[Any, ...]) -> tuple[str, int, int]:
 def record_call(start: float, inputs: tuple[Any, ...], modelled_s: float | None = None) -> None:
     kind, batch, _ = describe(inputs)
     RECORDER.add(CallRecord(start, time.perf_counter(), modelled_s, kind, batch))
+
+
+def record_copy(start: float, modelled_s: float | None = None) -> None:
+    """Log one ``_copy_kv_cache`` call (kind ``"copy"``, batch 1)."""
+    RECORDER.add(CallRecord(start, time.perf_counter(), modelled_s, "copy", 1))
 
 
 def _output_specs(module: Any, inputs: tuple[Any, ...], kv: list[Any]):
