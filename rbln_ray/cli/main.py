@@ -25,6 +25,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
         num_devices=args.num_devices,
         decoder_batch_sizes=sizes,
     )
+    if args.kvcache_num_blocks is not None:
+        if args.pipeline_stages > 1:
+            print(
+                "rbln-ray compile: --kvcache-num-blocks cannot be combined with "
+                "--pipeline-stages (every stage is compiled with full KV capacity)",
+                file=sys.stderr,
+            )
+            return 2
+        settings["kvcache_num_blocks"] = args.kvcache_num_blocks
     if args.pipeline_stages > 1:
         from rbln_ray.pipeline import compile_pipeline
 
@@ -104,6 +113,12 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--max-seq-len", type=int, required=True)
     c.add_argument("--attn-impl", choices=["eager", "flash_attn"], default="eager")
     c.add_argument("--kvcache-partition-len", type=int)
+    c.add_argument(
+        "--kvcache-num-blocks",
+        type=int,
+        help="compiled KV blocks (default: optimum's; blocks beyond batch x sequences keep "
+        "more prefixes cached)",
+    )
     c.add_argument("--num-devices", type=int, default=1)
     c.add_argument("--decoder-batch-sizes", help="comma list, e.g. 4,2,1")
     c.add_argument(

@@ -74,6 +74,11 @@ class StageModel:
         device: int | list[int] = device_ids[0] if len(device_ids) == 1 else list(device_ids)
         return cls(Path(directory), manifest, manifest.stages[stage], device)
 
+    def copy_kv_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """On-device KV copies for this stage's layers (its runtimes share one load)."""
+        for src, dst, tokens in copies:
+            self.prefill_rt._copy_kv_cache(src, dst, tokens)
+
     def run(self, plan: StepPlan, x: torch.Tensor) -> torch.Tensor:
         """Stage forward: token ids (stage 0) or hidden states in; hidden states or, on the
         last stage, logits (``[1, 1, V]`` prefill, ``[bs, 1, V]`` decode) out."""
@@ -131,6 +136,14 @@ class PipelineModel:
         self.stage0 = stage0
         self.peers: list[Any] = list(peers)  # Ray actor handles of stages 1..S-1, in order
         self.decoders = _Decoders(self)
+
+    def copy_kv_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """Prefix-cache KV copies on every stage (each holds its own layers' KV)."""
+        self.stage0.copy_kv_blocks(copies)
+        if self.peers:
+            import ray
+
+            ray.get([p.execute_method.remote("copy_kv_blocks", copies) for p in self.peers])
 
     def prefill_decoder(self, input_ids, cache_position, block_tables, **_: Any):
         plan = StepPlan("prefill", cache_position, block_tables, int(input_ids.shape[1]))

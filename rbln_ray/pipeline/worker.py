@@ -38,7 +38,9 @@ class PipelineWorker(RBLNWorker):
         self.stage = StageModel.load(self.artifact.path, self.rank, self.device_ids)
         if self.rank == 0:
             self.pipeline = PipelineModel(self.stage)
-            self.model_runner = RBLNModelRunner(self.vllm_config, self.artifact, self.pipeline)
+            self.model_runner = RBLNModelRunner(
+                self.vllm_config, self.artifact, self.pipeline, self.layout
+            )
 
     def set_pipeline_peers(self, peers: list[Any]) -> None:
         """Actor handles of stages 1..S-1 (executor calls this on stage 0 after loading)."""
@@ -46,6 +48,10 @@ class PipelineWorker(RBLNWorker):
             raise RuntimeError(f"stage {self.rank} is not the coordinating stage")
         self.pipeline.peers = list(peers)
         logger.info("pipeline stage 0 chained to %d peer stage(s)", len(peers))
+
+    def copy_kv_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """This stage's share of a prefix-cache KV copy (called by stage 0 through Ray)."""
+        self.stage.copy_kv_blocks(copies)
 
     def run_stage(self, plan: StepPlan, x: torch.Tensor) -> torch.Tensor:
         """One step's forward through this stage (called by stage 0 through Ray)."""

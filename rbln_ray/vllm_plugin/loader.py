@@ -46,6 +46,8 @@ class CompileSettings:
     num_devices: int = 1
     use_attention_mask: bool = False
     decoder_batch_sizes: tuple[int, ...] | None = None  # default: optimum's ([batch_size])
+    # default: optimum's (eager: one block per sequence; flash: as many as DRAM holds)
+    kvcache_num_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.attn_impl not in ("eager", "flash_attn"):
@@ -152,6 +154,11 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
                 num_devices=settings.num_devices,
                 use_attention_mask=settings.use_attention_mask,
                 decoder_batch_sizes=settings.decoder_batch_sizes,
+                **(
+                    {"kvcache_num_blocks": settings.kvcache_num_blocks}
+                    if settings.kvcache_num_blocks is not None
+                    else {}
+                ),
             )
         logger.info("compiled %s in %.1f s", out.name, time.monotonic() - started)
     return out

@@ -1,18 +1,23 @@
 """RBLN model runner: vLLM scheduler steps → optimum-rbln serving calls → sampled tokens.
 
-Each ``SchedulerOutput`` from :class:`RBLNScheduler` is either one prefill or a batch of
-decodes (DESIGN §4):
+Each ``SchedulerOutput`` from :class:`RBLNScheduler` is either one prefill chunk or a batch of
+decodes (DESIGN §4), and carries a :class:`~rbln_ray.vllm_plugin.kv_blocks.KVStepPlan`: the
+compiled RBLN KV blocks of every scheduled request, the on-device KV copies a prefix-cache
+hit needs, and a scratch block for padding rows.
+
 - prefill: ``model.prefill_decoder(input_ids [1,L], cache_position [1,L], block_tables [nblk])``
-  returns the last token's logits;
+  from the first uncached position (a multiple of the compiled ``prefill_chunk_size``) to the
+  end of the scheduled chunk; returns the last token's logits, sampled only when the chunk
+  completes the prompt;
 - decode: ``model.decoders[bs](input_ids [bs,1], cache_position [bs,1], block_tables [bs,nblk])``
   where ``bs`` is the smallest compiled decoder batch size that fits the live rows. Padding
-  rows (token 0, position 0) point at KV blocks no live request owns, so their writes are
-  harmless, and only live rows' logits are kept.
+  rows (token 0) write to the plan's scratch block at a position that holds no cached KV,
+  and only live rows' logits are kept.
 
-vLLM numbers KV blocks from 1 (block 0 is its null block); RBLN blocks start at 0, hence the
-``- 1`` shift. Sampling runs on the host with vLLM's own ``Sampler`` and ``InputBatch``, so every
-``SamplingParams`` feature (seeds, top-p/k, penalties, logprobs, logits processors) behaves as
-in vLLM.
+KV copies go through the runtime (``rebel.Runtime._copy_kv_cache``), never through host
+tensors, so the same code runs on an ATOM. Sampling runs on the host with vLLM's own
+``Sampler`` and ``InputBatch``, so every ``SamplingParams`` feature (seeds, top-p/k,
+penalties, logprobs, logits processors) behaves as in vLLM.
 """
 
 from __future__ import annotations
@@ -33,17 +38,24 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from rbln_ray.vllm_plugin.artifact import CompiledArtifact
+from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK, BlockLayout, KVCopy, KVStepPlan
 
 logger = logging.getLogger(__name__)
-
-NO_BLOCK = -1  # "no block" for the runtime: used only when no free scratch block exists
 
 
 @dataclass
 class StepStats:
     """Counters the tests and benchmarks read: what ran, and time spent inside the device."""
 
-    prefill_steps: int = 0
+    prefill_steps: int = 0  # prefill calls (one per scheduled chunk)
+    prefill_requests: int = 0  # prompts whose prefill completed
+    prefill_tokens: int = 0  # tokens the prefill calls computed
+    prefix_reused_tokens: int = 0  # prompt tokens served from cached KV instead
+    # vLLM prefix hits no device block held any more, computed again (0 while vLLM's prefix
+    # cache and the RBLN blocks agree)
+    prefix_recomputed_tokens: int = 0
+    kv_copies: int = 0  # on-device KV block copies (prefix hits in another request's block)
+    kv_copy_tokens: int = 0
     decode_steps: int = 0
     decode_rows: int = 0
     padded_rows: int = 0
@@ -59,13 +71,20 @@ class StepStats:
 class RBLNModelRunner:
     """Drives one loaded optimum-rbln decoder model for a vLLM engine."""
 
-    def __init__(self, vllm_config: VllmConfig, artifact: CompiledArtifact, model: Any) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        artifact: CompiledArtifact,
+        model: Any,
+        layout: BlockLayout,
+    ) -> None:
         self.vllm_config = vllm_config
         self.artifact = artifact
         self.model = model
+        self.layout = layout
         self.device = torch.device("cpu")
         model_config = vllm_config.model_config
-        block_size = artifact.kvcache_block_size
+        block_size = layout.inner_size  # vLLM's blocks; the RBLN ones come with each step
         self.input_batch = InputBatch(
             max_num_reqs=vllm_config.scheduler_config.max_num_seqs,
             max_model_len=model_config.max_model_len,
@@ -74,7 +93,7 @@ class RBLNModelRunner:
             vocab_size=model_config.get_vocab_size(),
             block_sizes=[block_size],
             kernel_block_sizes=[block_size],
-            max_num_blocks_per_req=[artifact.blocks_per_seq],
+            max_num_blocks_per_req=[-(-model_config.max_model_len // block_size)],
             logitsprocs=build_logitsprocs(vllm_config, self.device, False, False, ()),
             is_pooling_model=False,
         )
@@ -82,6 +101,7 @@ class RBLNModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.stats = StepStats()
         self._pending: tuple[SchedulerOutput, torch.Tensor] | None = None
+        self._starting: set[str] = set()  # requests whose prefill begins this step
 
     # ----------------------------------------------------------------- request state
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -126,47 +146,67 @@ class RBLNModelRunner:
         batch.condense()
         batch.refresh_metadata()
 
-    def _rbln_blocks(self, state: CachedRequestState) -> list[int]:
-        return [b - 1 for b in state.block_ids[0]]
-
-    def _free_blocks(self) -> list[int]:
-        """RBLN blocks no tracked request holds: safe targets for padding writes."""
-        used = {b for s in self.requests.values() for b in self._rbln_blocks(s)}
-        return [b for b in range(self.artifact.kvcache_num_blocks) if b not in used]
-
-    def _block_row(self, blocks: list[int], pad: int) -> list[int]:
-        width = self.artifact.blocks_per_seq
+    def _table_row(self, blocks: list[int]) -> list[int]:
+        width = self.layout.segments_per_seq
         if len(blocks) > width:
             raise RuntimeError(f"request spans {len(blocks)} KV blocks, compiled maximum {width}")
-        return blocks + [pad] * (width - len(blocks))
+        return blocks + [NO_BLOCK] * (width - len(blocks))
+
+    def _copy_kv(self, copies: list[KVCopy]) -> bool:
+        """Run the plan's on-device KV copies; False if the runtime cannot copy."""
+        if not copies:
+            return True
+        copy = getattr(self.model, "copy_kv_blocks", None)
+        try:
+            if copy is not None:  # a pipeline: every stage copies its own layers
+                copy([(c.src, c.dst, c.tokens) for c in copies])
+            else:
+                runtime = self.model.prefill_decoder.runtime
+                for c in copies:
+                    runtime._copy_kv_cache(c.src, c.dst, c.tokens)
+        except Exception:  # noqa: BLE001 - a failed copy costs a recompute, never the engine
+            logger.warning(
+                "on-device KV copy failed; prefilling the cached prefix again", exc_info=True
+            )
+            return False
+        self.stats.kv_copies += len(copies)
+        self.stats.kv_copy_tokens += sum(c.tokens for c in copies)
+        return True
 
     # ----------------------------------------------------------------- device calls
-    def _prefill(self, req_id: str, num_tokens: int) -> torch.Tensor:
+    def _prefill(self, so: SchedulerOutput, plan: KVStepPlan, req_id: str) -> torch.Tensor:
         state = self.requests[req_id]
-        start = state.num_computed_tokens
-        if start != 0:
+        computed = state.num_computed_tokens
+        end = computed + so.num_scheduled_tokens[req_id]
+        start = plan.prefill_start.get(req_id, computed)
+        if not self._copy_kv(plan.copies):
+            start = 0
+        chunk = self.artifact.prefill_chunk_size
+        if start % chunk:
             raise RuntimeError(
-                f"request {req_id}: prefill from position {start}; RBLN prefill starts at 0 "
-                "(prefix caching and chunked prefill are disabled by the platform)"
+                f"request {req_id}: prefill from position {start}; the compiled prefill resumes "
+                f"only at a multiple of prefill_chunk_size={chunk}"
             )
         tokens = state.prompt_token_ids + state.output_token_ids
-        ids = torch.tensor([tokens[:num_tokens]], dtype=torch.long)
-        positions = torch.arange(num_tokens, dtype=torch.int32).unsqueeze(0)
-        free = self._free_blocks()
-        table = torch.tensor(
-            self._block_row(self._rbln_blocks(state), free[0] if free else NO_BLOCK),
-            dtype=torch.int16,
-        )
+        ids = torch.tensor([tokens[start:end]], dtype=torch.long)
+        positions = torch.arange(start, end, dtype=torch.int32).unsqueeze(0)
+        table = torch.tensor(self._table_row(plan.tables[req_id]), dtype=torch.int16)
         start_t = time.perf_counter()
         out = self.model.prefill_decoder(
             input_ids=ids, cache_position=positions, block_tables=table
         )
         self.stats.device_seconds += time.perf_counter() - start_t
         self.stats.prefill_steps += 1
+        self.stats.prefill_tokens += end - start
+        if req_id in self._starting:  # its first chunk: tokens before it came from the cache
+            self.stats.prefix_reused_tokens += start
+            self.stats.prefix_recomputed_tokens += computed - start
+        if end == len(tokens):
+            self.stats.prefill_requests += 1
         self.stats.record("prefill", [req_id])
         return out.logits[:, -1, :]
 
-    def _decode(self, req_ids: list[str]) -> torch.Tensor:
+    def _decode(self, plan: KVStepPlan, req_ids: list[str]) -> torch.Tensor:
         sizes = self.artifact.decoder_batch_sizes
         idx = bisect.bisect_left(sizes, len(req_ids))
         if idx == len(sizes):
@@ -176,21 +216,20 @@ class RBLNModelRunner:
         positions = [self.requests[r].num_computed_tokens for r in req_ids]
         if self.artifact.requires_batch_sort:  # NPU kernels that need length-sorted rows
             order.sort(key=lambda i: -positions[i])
-        free = self._free_blocks()
-        pad_block = free[0] if free else NO_BLOCK
         # Inputs are built as lists and converted once: per-row tensor writes cost ~10 us
         # each, a measurable share of the host time per step at batch 8.
         pos = [positions[i] for i in order]
-        states = [self.requests[req_ids[i]] for i in order]
+        ids_in_order = [req_ids[i] for i in order]
+        states = [self.requests[r] for r in ids_in_order]
         padding = bs - len(req_ids)
         ids = torch.tensor(
             [s.get_token_id(p) for s, p in zip(states, pos, strict=True)] + [0] * padding,
             dtype=torch.long,
         ).view(bs, 1)
-        cache_pos = torch.tensor(pos + [0] * padding, dtype=torch.int32).view(bs, 1)
-        rows = [self._block_row(self._rbln_blocks(s), pad_block) for s in states]
-        for k in range(padding):  # padding rows: each its own scratch block
-            rows.append(self._block_row([free[k] if k < len(free) else NO_BLOCK], pad_block))
+        cache_pos = torch.tensor(pos + [plan.scratch_position] * padding, dtype=torch.int32)
+        cache_pos = cache_pos.view(bs, 1)
+        rows = [self._table_row(plan.tables[r]) for r in ids_in_order]
+        rows += [self._table_row([plan.scratch_block])] * padding
         table = torch.tensor(rows, dtype=torch.int16)
         mask = None
         if self.artifact.use_attention_mask:
@@ -225,21 +264,32 @@ class RBLNModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        plan: KVStepPlan | None = getattr(so, "rbln_plan", None)
+        if plan is None:
+            raise RuntimeError(
+                "scheduler output without an RBLN block plan: the engine must run "
+                "rbln_ray.vllm_plugin.scheduler.RBLNScheduler (set by the RBLN platform)"
+            )
         req_ids = list(self.input_batch.req_ids)
-        prefills = [
-            r
-            for r in req_ids
-            if self.requests[r].num_computed_tokens == 0 or so.num_scheduled_tokens[r] > 1
-        ]
-        if prefills:
+        if plan.kind == "prefill":
             if len(req_ids) != 1:
                 raise RuntimeError(
-                    f"step mixes prefill {prefills} with other requests {req_ids}; the RBLN "
-                    "scheduler must schedule one prefill per step"
+                    f"prefill step schedules {req_ids}; the RBLN scheduler must schedule one "
+                    "prefill per step, never mixed with decodes"
                 )
-            logits = self._prefill(req_ids[0], so.num_scheduled_tokens[req_ids[0]])
+            req_id = req_ids[0]
+            cached = so.scheduled_cached_reqs
+            self._starting = {n.req_id for n in so.scheduled_new_reqs} | cached.resumed_req_ids
+            logits = self._prefill(so, plan, req_id)
+            state = self.requests[req_id]
+            done = state.num_computed_tokens + so.num_scheduled_tokens[req_id]
+            if done < len(state.prompt_token_ids) + len(state.output_token_ids):
+                # A chunk of a longer prompt: nothing to sample yet (vLLM expects no token).
+                return ModelRunnerOutput(
+                    req_ids=[req_id], req_id_to_index={req_id: 0}, sampled_token_ids=[[]]
+                )
         else:
-            logits = self._decode(req_ids)
+            logits = self._decode(plan, req_ids)
         self._pending = (so, logits.float())
         return None if so.has_structured_output_requests else self.sample_tokens(None)
 

@@ -7,7 +7,10 @@ runtimes, driven by :class:`~rbln_ray.vllm_plugin.worker.RBLNWorker`.
 Config policy: the compiled artifact's ``rbln_config.json`` is the source of truth. Values the
 user did not set are overridden from it (logged); a user value the artifact cannot honour
 (``max_model_len`` above its ``max_seq_len``, a different ``block_size`` or block count) is an
-error that names both values.
+error that names both values. vLLM's KV blocks are one compiled prefill chunk (128 tokens)
+mapped onto the compiled RBLN blocks (:mod:`rbln_ray.vllm_plugin.kv_blocks`), so vLLM's
+automatic prefix caching (on by default, ``enable_prefix_caching=False`` honoured) and
+chunked prefill work on RBLN.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import TYPE_CHECKING
 from vllm.platforms.cpu import CpuPlatform
 
 from rbln_ray.vllm_plugin.artifact import CompiledArtifact
+from rbln_ray.vllm_plugin.kv_blocks import BlockLayout
+from rbln_ray.vllm_plugin.options import RBLNOptions
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -74,23 +79,39 @@ def _sync_model_len(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
         model_config.max_model_len = wanted
 
 
+def block_layout(art: CompiledArtifact) -> BlockLayout:
+    """vLLM blocks of one prefill chunk on the artifact's RBLN blocks (see kv_blocks)."""
+    return BlockLayout.for_artifact(
+        art.kvcache_block_size, art.kvcache_num_blocks, art.max_seq_len, art.prefill_chunk_size
+    )
+
+
 def _sync_kv_cache(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
     cache = vllm_config.cache_config
-    if cache.user_specified_block_size and cache.block_size != art.kvcache_block_size:
+    layout = block_layout(art)
+    if cache.user_specified_block_size and cache.block_size != layout.inner_size:
         raise RBLNConfigError(
-            f"block_size={cache.block_size} conflicts with the compiled "
-            f"kvcache_block_size={art.kvcache_block_size} of {art.path}"
+            f"block_size={cache.block_size} conflicts with {art.path}: vLLM blocks on RBLN are "
+            f"{layout.inner_size} tokens (the compiled prefill_chunk_size "
+            f"{art.prefill_chunk_size} tiling kvcache_block_size {art.kvcache_block_size})"
         )
-    cache.block_size = art.kvcache_block_size
-    blocks = art.kvcache_num_blocks + 1  # +1: vLLM reserves block 0 as its null block
+    cache.block_size = layout.inner_size
+    blocks = layout.num_inner + 1  # +1: vLLM reserves block 0 as its null block
     if cache.num_gpu_blocks_override not in (None, blocks):
         raise RBLNConfigError(
             f"num_gpu_blocks_override={cache.num_gpu_blocks_override} conflicts with the compiled "
-            f"kvcache_num_blocks={art.kvcache_num_blocks} (+1 null block = {blocks})"
+            f"kvcache_num_blocks={art.kvcache_num_blocks} of {layout.outer_size} tokens "
+            f"(= {layout.num_inner} vLLM blocks of {layout.inner_size}, +1 null block = {blocks})"
         )
     cache.num_gpu_blocks_override = blocks
-    # RBLN blocks are whole sequences (eager) or partitions (flash): never shared.
-    cache.enable_prefix_caching = False
+    if cache.enable_prefix_caching and layout.inner_size % art.prefill_chunk_size:
+        # optimum-rbln resumes a prefill only at a multiple of prefill_chunk_size.
+        logger.info(
+            "prefix caching off: kvcache_block_size %d is not a multiple of prefill_chunk_size %d",
+            art.kvcache_block_size,
+            art.prefill_chunk_size,
+        )
+        cache.enable_prefix_caching = False
 
 
 def _sync_scheduler(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
@@ -101,11 +122,12 @@ def _sync_scheduler(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
         )
     sched.max_num_seqs = min(sched.max_num_seqs, art.batch_size)
     max_len = vllm_config.model_config.max_model_len
-    # One whole prompt per prefill step: chunking happens inside the compiled prefill graph.
-    sched.enable_chunked_prefill = False
-    sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, max_len)
+    # Prefill one compiled chunk per step, so decodes can run between a long prompt's chunks;
+    # a decode step needs one token per compiled batch row.
+    sched.enable_chunked_prefill = True
+    sched.max_num_batched_tokens = max(art.prefill_chunk_size, sched.max_num_seqs)
     sched.max_num_scheduled_tokens = None
-    sched.long_prefill_token_threshold = 0
+    sched.long_prefill_token_threshold = min(art.prefill_chunk_size, max_len)
     sched.async_scheduling = False
     sched.scheduler_cls = SCHEDULER_CLS
     sched.verify_max_model_len(max_len)
@@ -154,6 +176,7 @@ class RBLNPlatform(CpuPlatform):
         if vllm_config.model_config is None:
             return
         art = compiled_artifact(vllm_config)
+        RBLNOptions.from_vllm_config(vllm_config)  # invalid options fail here, in the driver
         _sync_model_len(vllm_config, art)
         _sync_kv_cache(vllm_config, art)
         _sync_scheduler(vllm_config, art)

@@ -1,44 +1,191 @@
-"""vLLM scheduler for compiled RBLN graphs: each step is one prefill, or decodes only.
+"""vLLM scheduler for compiled RBLN graphs: each step is one prefill chunk, or decodes only.
 
-Why: optimum-rbln compiles a prefill graph for one sequence and decode graphs for fixed batch
-sizes; a step can run exactly one of them. vLLM's ``Scheduler.schedule`` admits waiting
-requests only while ``len(running) < max_num_running_reqs``, so bounding that limit per step
-(through the public ``scheduler_cls`` hook) yields the RBLN step shapes without touching its
-internals:
-- prefill step: hide the running requests and allow one admission;
-- decode step: set the limit to the running count, so nothing new is admitted.
+Why: optimum-rbln compiles a prefill graph for one sequence (run in ``prefill_chunk_size``
+chunks) and decode graphs for fixed batch sizes; a step can run exactly one of them. vLLM's
+``Scheduler.schedule`` schedules the requests in ``self.running`` and admits waiting ones
+only while ``len(running) < max_num_running_reqs``, so choosing what it sees per step
+(through the public ``scheduler_cls`` hook) yields the RBLN step shapes without rewriting it:
+
+- **prefill step**: it sees only the request being prefilled (or none, and may admit one);
+  the token budget is one chunk, so a long prompt is prefilled one chunk per step;
+- **decode step**: it sees only the decoding requests and may admit nothing.
+
+Between two prefill chunks at least ``decode_steps_between_chunks`` decode steps run while
+requests are decoding (:class:`~rbln_ray.vllm_plugin.options.RBLNOptions`), so a long prompt
+never stalls the running batch for more than one chunk at a time.
+
+vLLM's KV cache manager (its prefix cache included) works on small vLLM blocks; after each
+step :class:`~rbln_ray.vllm_plugin.kv_blocks.OuterBlockManager` maps them onto the compiled
+RBLN blocks and the step's :class:`~rbln_ray.vllm_plugin.kv_blocks.KVStepPlan` (block tables,
+on-device KV copies, scratch block) travels to the workers in :class:`RBLNSchedulerOutput`.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+
+from rbln_ray.vllm_plugin.kv_blocks import BlockLayout, KVStepPlan, OuterBlockManager
+from rbln_ray.vllm_plugin.options import RBLNOptions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RBLNSchedulerOutput(SchedulerOutput):
+    """vLLM's step output plus where the step's KV lives on the RBLN device."""
+
+    rbln_plan: KVStepPlan = field(default_factory=lambda: KVStepPlan("idle"))
+
+    @classmethod
+    def wrap(cls, output: SchedulerOutput, plan: KVStepPlan) -> RBLNSchedulerOutput:
+        values = {f.name: getattr(output, f.name) for f in fields(SchedulerOutput)}
+        return cls(**values, rbln_plan=plan)
 
 
 class RBLNScheduler(Scheduler):
-    """Enforces DESIGN §4: at most one prefill per step, never mixed with decodes."""
+    """DESIGN §4 step shapes, chunked prefill interleaved with decodes, RBLN block mapping."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        from rbln_ray.vllm_plugin.platform import block_layout, compiled_artifact
+
+        artifact = compiled_artifact(self.vllm_config)
+        self.layout: BlockLayout = block_layout(artifact)
+        self.chunk = artifact.prefill_chunk_size
+        self.options = RBLNOptions.from_vllm_config(self.vllm_config)
+        self.outer_blocks = OuterBlockManager(self.layout, self._evict_hashes)
+        self._decodes_since_prefill = self.options.decode_steps_between_chunks
+        # The last prefill attempt scheduled nothing (e.g. a grammar still compiling): run
+        # the decodes next instead of retrying the prefill in a loop.
+        self._prefill_stalled = False
+
+    # ------------------------------------------------------------------ step choice
     def _prefill_can_start(self) -> bool:
         if not (self.waiting or self.skipped_waiting):
             return False
-        if len(self.running) >= self.max_num_running_reqs:
+        if len(self.running) >= self.max_num_running_reqs or self.outer_blocks.free_count() < 1:
             return False
         request = self._select_waiting_queue_for_scheduling().peek_request()
-        needed = -(-request.num_tokens // self.block_size)
+        needed = -(-min(request.num_tokens, self.chunk) // self.block_size)
         return self.kv_cache_manager.block_pool.get_num_free_blocks() >= needed
 
-    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        limit = self.max_num_running_reqs
-        if self._prefill_can_start():
-            running = self.running
-            self.running, self.max_num_running_reqs = [], 1
-            try:
-                return super().schedule(throttle_prefills)
-            finally:
-                self.running = running + self.running
-                self.max_num_running_reqs = limit
-        self.max_num_running_reqs = len(self.running)
+    def _chunk_can_run(self, request: Request) -> bool:
+        end = request.num_computed_tokens + self.chunk
+        needed = self.outer_blocks.new_blocks_needed(request.request_id, end)
+        return self.outer_blocks.free_count() >= needed
+
+    @contextmanager
+    def _only(self, visible: list[Request], max_running: int) -> Iterator[None]:
+        """Let vLLM's ``schedule`` see only ``visible`` and admit up to ``max_running``.
+
+        Requests it preempts leave ``running``, requests it admits join it at the end, the
+        hidden ones stay where they were.
+        """
+        everyone, limit = self.running, self.max_num_running_reqs
+        shown = {id(r) for r in visible}
+        self.running, self.max_num_running_reqs = list(visible), max_running
         try:
-            return super().schedule(throttle_prefills)
+            yield
         finally:
+            after = {id(r) for r in self.running}
+            kept = [r for r in everyone if id(r) not in shown or id(r) in after]
+            known = {id(r) for r in everyone}
+            self.running = kept + [r for r in self.running if id(r) not in known]
             self.max_num_running_reqs = limit
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        self.outer_blocks.tick()
+        self.outer_blocks.release_missing({r.request_id for r in self.running})
+        prefilling = [r for r in self.running if r.is_prefill_chunk]
+        decoding = [r for r in self.running if not r.is_prefill_chunk]
+        chunk_due = not decoding or (
+            self._decodes_since_prefill >= self.options.decode_steps_between_chunks
+            and not self._prefill_stalled
+        )
+        if prefilling and chunk_due and self._chunk_can_run(prefilling[0]):
+            kind, visible, limit = "prefill", prefilling[:1], 1
+        elif not prefilling and chunk_due and self._prefill_can_start():
+            kind, visible, limit = "prefill", [], 1
+        else:
+            kind = "decode"
+            self._make_room_for_decodes(decoding)
+            visible = [r for r in self.running if not r.is_prefill_chunk]
+            limit = len(visible)
+        with self._only(visible, limit):
+            output = super().schedule(throttle_prefills)
+        scheduled = bool(output.num_scheduled_tokens)
+        if kind == "prefill":
+            self._prefill_stalled = not scheduled
+            if scheduled:
+                self._decodes_since_prefill = 0
+        elif scheduled:
+            self._decodes_since_prefill += 1
+            self._prefill_stalled = False
+        plan = self._plan(output, kind if scheduled else "idle")
+        return RBLNSchedulerOutput.wrap(output, plan)
+
+    def _make_room_for_decodes(self, decoding: list[Request]) -> None:
+        """Preempt the newest decoding requests while the others' next tokens need more new
+        RBLN blocks than are free (only artifacts with fewer blocks than ``batch x
+        max_seq_len`` can get here; vLLM's own block accounting cannot see RBLN blocks)."""
+
+        def needed(reqs: list[Request]) -> int:
+            return sum(
+                self.outer_blocks.new_blocks_needed(r.request_id, r.num_computed_tokens + 1)
+                for r in reqs
+            )
+
+        victims = list(decoding)
+        while victims and needed(victims) > self.outer_blocks.free_count():
+            victim = victims.pop()
+            self.running.remove(victim)
+            # vLLM 0.30 internal (Scheduler._preempt_request): the same preemption vLLM runs
+            # when its own KV blocks run out, triggered here for RBLN blocks.
+            self._preempt_request(victim, time.monotonic())
+            self.outer_blocks.release_missing({r.request_id for r in self.running})
+            logger.info("preempted %s: no free RBLN KV block", victim.request_id)
+
+    # ------------------------------------------------------------------ block plan
+    def _plan(self, output: SchedulerOutput, kind: str) -> KVStepPlan:
+        plan = KVStepPlan(kind)
+        manager = self.outer_blocks
+        starts = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
+        cached = output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id in cached.resumed_req_ids:
+                starts[req_id] = cached.num_computed_tokens[i]
+        for req_id in output.num_scheduled_tokens:
+            request = self.requests[req_id]
+            hit = starts.get(req_id)
+            end = request.num_computed_tokens  # already advanced past this step's tokens
+            if hit is not None and not manager.owns(req_id):
+                copies, start = manager.admit(req_id, request.block_hashes, hit, end)
+                plan.copies.extend(copies)
+                if start < hit:
+                    plan.prefill_start[req_id] = start
+                    logger.debug("%s: prefix hit %d, recomputing from %d", req_id, hit, start)
+            else:
+                manager.extend(req_id, request.block_hashes, end)
+            plan.tables[req_id] = manager.table(req_id)
+        if kind == "decode":
+            plan.scratch_block, plan.scratch_position = manager.scratch()
+        manager.flush_evictions()
+        return plan
+
+    def _evict_hashes(self, hashes: list[Hashable]) -> None:
+        """Drop from vLLM's prefix cache the blocks whose KV no RBLN block holds any more."""
+        pool = self.kv_cache_manager.block_pool
+        for block_hash in hashes:
+            for _ in range(self.kv_cache_config.num_blocks):
+                blocks = pool.get_cached_block(block_hash, [0])
+                if not blocks:
+                    break
+                self.kv_cache_manager.evict_blocks({blocks[0].block_id})

@@ -1,8 +1,9 @@
 """RBLN worker: vLLM's ``WorkerBase`` for one process that owns a shard group of devices.
 
 The KV cache lives inside the compiled runtimes (static buffers), so this worker reports a
-nominal KV spec whose block count vLLM's platform hook pinned to the compiled
-``kvcache_num_blocks`` (+1 null block), and allocates nothing itself.
+nominal KV spec of vLLM blocks (one prefill chunk each) whose count covers the compiled RBLN
+blocks exactly (+1 null block, see :mod:`rbln_ray.vllm_plugin.kv_blocks`), and allocates
+nothing itself.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from rbln_ray.emulator import is_emulated
 from rbln_ray.vllm_plugin.artifact import CompiledArtifact
 from rbln_ray.vllm_plugin.loader import load_compiled_model
 from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner
-from rbln_ray.vllm_plugin.platform import compiled_artifact
+from rbln_ray.vllm_plugin.platform import block_layout, compiled_artifact
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class RBLNWorker(WorkerBase):
             # emulated devices on a small host from fighting over OpenMP barriers.
             torch.set_num_threads(int(os.environ.get("RBLN_RAY_EMULATOR_THREADS", "1")))
         self.artifact = compiled_artifact(self.vllm_config)
+        self.layout = block_layout(self.artifact)
         n = self.artifact.num_devices
         # Indices into this process's visible devices (RBLN_DEVICES, set by Ray per actor).
         self.device_ids = list(range(self.local_rank * n, (self.local_rank + 1) * n))
@@ -52,11 +54,11 @@ class RBLNWorker(WorkerBase):
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         model = load_compiled_model(self.artifact, self.device_ids)
-        self.model_runner = RBLNModelRunner(self.vllm_config, self.artifact, model)
+        self.model_runner = RBLNModelRunner(self.vllm_config, self.artifact, model, self.layout)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         spec = FullAttentionSpec(
-            block_size=self.artifact.kvcache_block_size,
+            block_size=self.layout.inner_size,
             num_kv_heads=1,
             head_size=1,
             dtype=torch.float32,
@@ -65,13 +67,14 @@ class RBLNWorker(WorkerBase):
 
     def determine_available_memory(self) -> int:
         spec = self.get_kv_cache_spec()[KV_LAYER]
-        return (self.artifact.kvcache_num_blocks + 1) * spec.page_size_bytes
+        return (self.layout.num_inner + 1) * spec.page_size_bytes
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
-        if kv_cache_config.num_blocks != self.artifact.kvcache_num_blocks + 1:
+        if kv_cache_config.num_blocks != self.layout.num_inner + 1:
             raise RuntimeError(
-                f"vLLM planned {kv_cache_config.num_blocks} KV blocks; the compiled model has "
-                f"{self.artifact.kvcache_num_blocks} (+1 null block)"
+                f"vLLM planned {kv_cache_config.num_blocks} KV blocks; the compiled model's "
+                f"{self.layout.num_outer} RBLN blocks hold {self.layout.num_inner} "
+                "(+1 null block)"
             )
 
     def compile_or_warm_up_model(self) -> CompilationTimes:

@@ -186,7 +186,7 @@ def test_continuous_batching_32_requests_two_stages(cluster, artifacts) -> None:
 
     stats = engine["rpc"]["step_stats"][0]  # the coordinating stage 0
     history = stats["history"]
-    assert stats["prefill_steps"] == 32
+    assert stats["prefill_requests"] == 32
     assert max(len(ids) for _, kind, ids in history if kind == "decode") == 4
     refills = count_refills(history)
     assert refills >= 10, f"only {refills} prefills interleaved with running decodes"

@@ -3,8 +3,10 @@
 Tests run vLLM in a subprocess: vLLM resolves its platform once per process, and engines are
 heavy. Input (argv[1], JSON): ``{"model": dir, "llm_kwargs": {...}, "requests": [{"prompt":
 str | "prompt_token_ids": [...], "params": {SamplingParams fields;
-structured_outputs as a dict}}], "rpc": [method, ...]}``.
-Output: one line ``RESULT {...}`` with per-request outputs and the collective_rpc results.
+structured_outputs as a dict}}], "passes": N (default 1: run the requests N times, one
+``generate`` call each), "rpc": [method, ...]}``.
+Output: one line ``RESULT {...}`` with per-request outputs (of the last pass; every pass in
+``passes``) and the collective_rpc results.
 """
 
 import json
@@ -36,26 +38,35 @@ if __name__ == "__main__":
         if "structured_outputs" in kw:
             kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
         params.append(SamplingParams(**kw))
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    result = {
-        "outputs": [
+    passes = []
+    for _ in range(spec.get("passes", 1)):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        passes.append(
             [
-                {
-                    "token_ids": list(c.token_ids),
-                    "text": c.text,
-                    "finish_reason": c.finish_reason,
-                    "logprobs": _logprobs(c.logprobs),
-                }
-                for c in o.outputs
+                [
+                    {
+                        "token_ids": list(c.token_ids),
+                        "text": c.text,
+                        "finish_reason": c.finish_reason,
+                        "logprobs": _logprobs(c.logprobs),
+                    }
+                    for c in o.outputs
+                ]
+                for o in outputs
             ]
-            for o in outputs
-        ],
+        )
+    result = {
+        "outputs": passes[-1],
+        "passes": passes,
         "rpc": {m: llm.collective_rpc(m) for m in spec.get("rpc", [])},
         "config": {
             "max_num_seqs": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
             "max_model_len": llm.llm_engine.vllm_config.model_config.max_model_len,
             "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
             "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+            "enable_prefix_caching": (
+                llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+            ),
         },
     }
     print("RESULT " + json.dumps(result), flush=True)

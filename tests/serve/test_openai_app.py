@@ -93,7 +93,7 @@ def test_32_concurrent_requests_use_both_replicas_on_distinct_devices(
         if len(replicas) == 2:
             break
     assert len(replicas) == 2
-    served = [sum(s["prefill_steps"] for s in r["steps"]) for r in replicas.values()]
+    served = [sum(s["prefill_requests"] for s in r["steps"]) for r in replicas.values()]
     assert all(n > 0 for n in served) and sum(served) >= 32, served
     devices = [(w["node"], w["rbln_devices"]) for r in replicas.values() for w in r["workers"]]
     assert len(devices) == 2 and len(set(devices)) == 2, devices
