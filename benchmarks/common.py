@@ -56,13 +56,14 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summary(values: list[float], scale: float = 1.0) -> dict[str, float | None]:
-    """mean / p50 / p99 (vllm bench serve reports these), scaled (e.g. 1e3 for ms)."""
+    """mean / p50 / p99 (vllm bench serve reports these) and max, scaled (e.g. 1e3 for ms)."""
     if not values:
-        return {"mean": None, "p50": None, "p99": None}
+        return {"mean": None, "p50": None, "p99": None, "max": None}
     return {
         "mean": statistics.fmean(values) * scale,
         "p50": percentile(values, 50) * scale,
         "p99": percentile(values, 99) * scale,
+        "max": max(values) * scale,
     }
 
 

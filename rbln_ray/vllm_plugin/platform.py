@@ -122,12 +122,17 @@ def _sync_scheduler(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
         )
     sched.max_num_seqs = min(sched.max_num_seqs, art.batch_size)
     max_len = vllm_config.model_config.max_model_len
-    # Prefill one compiled chunk per step, so decodes can run between a long prompt's chunks;
-    # a decode step needs one token per compiled batch row.
-    sched.enable_chunked_prefill = True
-    sched.max_num_batched_tokens = max(art.prefill_chunk_size, sched.max_num_seqs)
+    if sched.enable_chunked_prefill:
+        # One compiled chunk per prefill step, so decodes run between a long prompt's chunks;
+        # a decode step needs one token per compiled batch row.
+        sched.max_num_batched_tokens = max(art.prefill_chunk_size, sched.max_num_seqs)
+        sched.long_prefill_token_threshold = min(art.prefill_chunk_size, max_len)
+    else:
+        # The user turned chunked prefill off: whole prompts in one step (chunked inside the
+        # compiled prefill graph), as vLLM does without chunking.
+        sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, max_len)
+        sched.long_prefill_token_threshold = 0
     sched.max_num_scheduled_tokens = None
-    sched.long_prefill_token_threshold = min(art.prefill_chunk_size, max_len)
     sched.async_scheduling = False
     sched.scheduler_cls = SCHEDULER_CLS
     sched.verify_max_model_len(max_len)

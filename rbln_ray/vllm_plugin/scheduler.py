@@ -10,9 +10,12 @@ only while ``len(running) < max_num_running_reqs``, so choosing what it sees per
   the token budget is one chunk, so a long prompt is prefilled one chunk per step;
 - **decode step**: it sees only the decoding requests and may admit nothing.
 
-Between two prefill chunks at least ``decode_steps_between_chunks`` decode steps run while
-requests are decoding (:class:`~rbln_ray.vllm_plugin.options.RBLNOptions`), so a long prompt
-never stalls the running batch for more than one chunk at a time.
+A waiting request starts its prefill as soon as a compiled batch slot is free (continuous
+batching, as before chunking). Between two chunks of a longer prompt at least
+``decode_steps_between_chunks`` decode steps run while requests are decoding
+(:class:`~rbln_ray.vllm_plugin.options.RBLNOptions`), so a long prompt delays each decode by at
+most one chunk, every few tokens, instead of stalling the batch for its whole prefill. With
+several prompts in prefill, the one closest to its first token goes first.
 
 vLLM's KV cache manager (its prefix cache included) works on small vLLM blocks; after each
 step :class:`~rbln_ray.vllm_plugin.kv_blocks.OuterBlockManager` maps them onto the compiled
@@ -59,28 +62,43 @@ class RBLNScheduler(Scheduler):
 
         artifact = compiled_artifact(self.vllm_config)
         self.layout: BlockLayout = block_layout(artifact)
-        self.chunk = artifact.prefill_chunk_size
+        # Tokens one prefill step computes: a compiled chunk, or a whole prompt when the user
+        # turned chunked prefill off.
+        sched = self.scheduler_config
+        self.step_tokens = sched.long_prefill_token_threshold or sched.max_num_batched_tokens
         self.options = RBLNOptions.from_vllm_config(self.vllm_config)
         self.outer_blocks = OuterBlockManager(self.layout, self._evict_hashes)
         self._decodes_since_prefill = self.options.decode_steps_between_chunks
-        # The last prefill attempt scheduled nothing (e.g. a grammar still compiling): run
-        # the decodes next instead of retrying the prefill in a loop.
+        # The last prefill attempt scheduled nothing while requests were decoding: run the
+        # decodes next instead of retrying the prefill in a loop.
         self._prefill_stalled = False
 
     # ------------------------------------------------------------------ step choice
     def _prefill_can_start(self) -> bool:
+        """A waiting request may start its prefill: a free slot, vLLM blocks for its first
+        chunk, and RBLN blocks for the rest of every prompt being prefilled plus its own (so
+        concurrent prefills can always finish without waiting on each other)."""
         if not (self.waiting or self.skipped_waiting):
             return False
-        if len(self.running) >= self.max_num_running_reqs or self.outer_blocks.free_count() < 1:
+        if len(self.running) >= self.max_num_running_reqs:
             return False
         request = self._select_waiting_queue_for_scheduling().peek_request()
-        needed = -(-min(request.num_tokens, self.chunk) // self.block_size)
-        return self.kv_cache_manager.block_pool.get_num_free_blocks() >= needed
+        needed = sum(
+            self.outer_blocks.new_blocks_needed(r.request_id, r.num_tokens)
+            for r in self.running
+            if r.is_prefill_chunk
+        ) + self.layout.segments_for(request.num_tokens)
+        if self.outer_blocks.free_count() < needed:
+            return False
+        first = -(-min(request.num_tokens, self.step_tokens) // self.block_size)
+        return self.kv_cache_manager.block_pool.get_num_free_blocks() >= first
 
-    def _chunk_can_run(self, request: Request) -> bool:
-        end = request.num_computed_tokens + self.chunk
+    def _next_chunk(self, prefilling: list[Request]) -> Request | None:
+        """The prefilling request to advance: the one closest to its first token."""
+        request = min(prefilling, key=lambda r: r.num_tokens - r.num_computed_tokens)
+        end = request.num_computed_tokens + self.step_tokens
         needed = self.outer_blocks.new_blocks_needed(request.request_id, end)
-        return self.outer_blocks.free_count() >= needed
+        return request if self.outer_blocks.free_count() >= needed else None
 
     @contextmanager
     def _only(self, visible: list[Request], max_running: int) -> Iterator[None]:
@@ -102,18 +120,20 @@ class RBLNScheduler(Scheduler):
             self.max_num_running_reqs = limit
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        """One step: start a waiting request's prefill when a slot is free, else the next
+        chunk of a prompt being prefilled once enough decode steps ran since the last chunk,
+        else decode every decoding request."""
         self.outer_blocks.tick()
         self.outer_blocks.release_missing({r.request_id for r in self.running})
         prefilling = [r for r in self.running if r.is_prefill_chunk]
         decoding = [r for r in self.running if not r.is_prefill_chunk]
-        chunk_due = not decoding or (
-            self._decodes_since_prefill >= self.options.decode_steps_between_chunks
-            and not self._prefill_stalled
-        )
-        if prefilling and chunk_due and self._chunk_can_run(prefilling[0]):
-            kind, visible, limit = "prefill", prefilling[:1], 1
-        elif not prefilling and chunk_due and self._prefill_can_start():
+        gap = self.options.decode_steps_between_chunks
+        chunk_due = not decoding or self._decodes_since_prefill >= gap
+        chunk = self._next_chunk(prefilling) if prefilling and chunk_due else None
+        if not self._prefill_stalled and self._prefill_can_start():
             kind, visible, limit = "prefill", [], 1
+        elif chunk is not None and not self._prefill_stalled:
+            kind, visible, limit = "prefill", [chunk], 1
         else:
             kind = "decode"
             self._make_room_for_decodes(decoding)
@@ -123,7 +143,8 @@ class RBLNScheduler(Scheduler):
             output = super().schedule(throttle_prefills)
         scheduled = bool(output.num_scheduled_tokens)
         if kind == "prefill":
-            self._prefill_stalled = not scheduled
+            # Nothing scheduled (e.g. a grammar still compiling): decode next, then retry.
+            self._prefill_stalled = not scheduled and bool(decoding)
             if scheduled:
                 self._decodes_since_prefill = 0
         elif scheduled:
@@ -157,6 +178,8 @@ class RBLNScheduler(Scheduler):
     def _plan(self, output: SchedulerOutput, kind: str) -> KVStepPlan:
         plan = KVStepPlan(kind)
         manager = self.outer_blocks
+        # Requests vLLM preempted in this very step give their RBLN blocks back first.
+        manager.release_missing({r.request_id for r in self.running})
         starts = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
         cached = output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
