@@ -413,7 +413,6 @@ class GraphTiming:
         record_call(start, inputs, seconds)
         return outputs
 
-
     def sleep_copy(self, tokens: int, start: float) -> None:
         """Timing-mode ``_copy_kv_cache``: sleep the modelled copy time (nothing is copied;
         timing mode never writes the KV cache)."""
