@@ -102,6 +102,11 @@ class RBLNRayExecutor(Executor):
     uses_ray: bool = True
     supports_pp: bool = False
 
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        """Steps return futures, so vLLM's engine schedules step N+1 while step N runs."""
+        return True
+
     def _init_executor(self) -> None:
         from rbln_ray.vllm_plugin.platform import compiled_artifact
 
@@ -112,6 +117,7 @@ class RBLNRayExecutor(Executor):
         self._workers: list[_Worker] = []
         self._resources = _Resources(self._workers)
         self._monitor: threading.Thread | None = None
+        self._held_step: SchedulerOutput | None = None  # see execute_model
 
         connect(self.vllm_config)
         artifact = compiled_artifact(self.vllm_config)
@@ -222,12 +228,27 @@ class RBLNRayExecutor(Executor):
     def execute_model(  # type: ignore[override]
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
-        return self._rpc_driver_worker("execute_model", (scheduler_output,), non_block)
+        """Hold the step until :meth:`sample_tokens` brings its grammar bitmask, then send
+        both in one call: vLLM's engine always follows a step's ``execute_model`` with
+        ``sample_tokens`` (at once, or after the previous step's output for deferred
+        structured output), and one actor round trip per step is what the host pays."""
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return self._rpc_driver_worker("execute_model", (scheduler_output,), non_block)
+        self._raise_if_failed()
+        self._held_step = scheduler_output
+        if not non_block:
+            return None
+        done: Future[ModelRunnerOutput | None] = Future()
+        done.set_result(None)
+        return done
 
     def sample_tokens(  # type: ignore[override]
         self, grammar_output: GrammarOutput | None, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        return self._rpc_driver_worker("sample_tokens", (grammar_output,), non_block)
+        step, self._held_step = self._held_step, None
+        if step is None:
+            return self._rpc_driver_worker("sample_tokens", (grammar_output,), non_block)
+        return self._rpc_driver_worker("execute_and_sample", (step, grammar_output), non_block)
 
     # vLLM sizes one KV cache for the engine: with pipeline stages that is the coordinating
     # worker's nominal spec (every stage holds the same block count for its own layers).

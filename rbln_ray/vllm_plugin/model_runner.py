@@ -100,7 +100,9 @@ class RBLNModelRunner:
         self.sampler = Sampler(logprobs_mode=model_config.logprobs_mode)
         self.requests: dict[str, CachedRequestState] = {}
         self.stats = StepStats()
-        self._pending: tuple[SchedulerOutput, torch.Tensor] | None = None
+        # What the next sample_tokens returns: a step's logits to sample, or the output of a
+        # prompt chunk (nothing to sample).
+        self._pending: tuple[SchedulerOutput, torch.Tensor] | ModelRunnerOutput | None = None
         self._starting: set[str] = set()  # requests whose prefill begins this step
 
     # ----------------------------------------------------------------- request state
@@ -255,11 +257,12 @@ class RBLNModelRunner:
 
     # ----------------------------------------------------------------- vLLM entry points
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run the device for this step, and sample too unless a grammar must mask the logits.
+        """Run the device for this step; :meth:`sample_tokens` then returns its output.
 
-        vLLM's engine calls :meth:`sample_tokens` only when this returns None. Sampling here
-        when no request uses structured output saves the engine a second call per step, which
-        with the Ray executor is a second actor round trip.
+        vLLM's engine always follows a step's ``execute_model`` with ``sample_tokens`` (with the
+        grammar bitmask of the step's structured-output requests), synchronously or, with
+        async scheduling, while it already schedules the next step. The RBLN Ray executor
+        sends both as one call to the worker (see ``RBLNWorker.execute_and_sample``).
         """
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
@@ -284,19 +287,23 @@ class RBLNModelRunner:
             state = self.requests[req_id]
             done = state.num_computed_tokens + so.num_scheduled_tokens[req_id]
             if done < len(state.prompt_token_ids) + len(state.output_token_ids):
-                # A chunk of a longer prompt: nothing to sample yet (vLLM expects no token).
-                return ModelRunnerOutput(
+                # A chunk of a longer prompt: nothing to sample (vLLM expects no token).
+                self._pending = ModelRunnerOutput(
                     req_ids=[req_id], req_id_to_index={req_id: 0}, sampled_token_ids=[[]]
                 )
+                return None
         else:
             logits = self._decode(plan, req_ids)
         self._pending = (so, logits.float())
-        return None if so.has_structured_output_requests else self.sample_tokens(None)
+        return None
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """Sample on the host with vLLM's sampler and record the new tokens."""
         if self._pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        if isinstance(self._pending, ModelRunnerOutput):  # a prompt chunk: nothing sampled
+            output, self._pending = self._pending, None
+            return output
         so, logits = self._pending
         self._pending = None
         batch = self.input_batch

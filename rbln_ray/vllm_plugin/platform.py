@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 WORKER_CLS = "rbln_ray.vllm_plugin.worker.RBLNWorker"
 PIPELINE_WORKER_CLS = "rbln_ray.pipeline.worker.PipelineWorker"
 SCHEDULER_CLS = "rbln_ray.vllm_plugin.scheduler.RBLNScheduler"
+ASYNC_SCHEDULER_CLS = "rbln_ray.vllm_plugin.scheduler.RBLNAsyncScheduler"
 RAY_EXECUTOR_CLS = "rbln_ray.executor.RBLNRayExecutor"
 # vllm_config.additional_config keys rbln-ray reads and writes.
 COMPILED_DIR_KEY = "rbln_compiled_dir"
@@ -133,9 +134,22 @@ def _sync_scheduler(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
         sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, max_len)
         sched.long_prefill_token_threshold = 0
     sched.max_num_scheduled_tokens = None
-    sched.async_scheduling = False
-    sched.scheduler_cls = SCHEDULER_CLS
     sched.verify_max_model_len(max_len)
+
+
+def _sync_async_scheduling(vllm_config: VllmConfig, requested_backend: object) -> None:
+    """Async scheduling (vLLM schedules step N+1 while step N runs) is on by default.
+
+    vLLM decides it before this hook from the executor the user named; for ``"ray"`` it sees
+    its own Ray executor, which cannot, and turns it off. On RBLN ``"ray"`` means
+    ``RBLNRayExecutor``, which can, so rbln-ray's default applies there. Any other choice of
+    the user (``async_scheduling=False``, ``--no-async-scheduling``) is kept.
+    """
+    sched = vllm_config.scheduler_config
+    if requested_backend == "ray" and not sched.async_scheduling:
+        logger.info("async scheduling on: the RBLN Ray executor supports it")
+        sched.async_scheduling = True
+    sched.scheduler_cls = ASYNC_SCHEDULER_CLS if sched.async_scheduling else SCHEDULER_CLS
 
 
 def _sync_parallel(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
@@ -185,7 +199,9 @@ class RBLNPlatform(CpuPlatform):
         _sync_model_len(vllm_config, art)
         _sync_kv_cache(vllm_config, art)
         _sync_scheduler(vllm_config, art)
+        requested_backend = vllm_config.parallel_config.distributed_executor_backend
         _sync_parallel(vllm_config, art)
+        _sync_async_scheduling(vllm_config, requested_backend)
         vllm_config.model_config.disable_cascade_attn = True
         vllm_config.compilation_config.mode = CompilationMode.NONE
         vllm_config.compilation_config.cudagraph_capture_sizes = []

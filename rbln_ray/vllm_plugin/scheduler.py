@@ -31,6 +31,7 @@ from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
@@ -53,8 +54,13 @@ class RBLNSchedulerOutput(SchedulerOutput):
         return cls(**values, rbln_plan=plan)
 
 
-class RBLNScheduler(Scheduler):
-    """DESIGN §4 step shapes, chunked prefill interleaved with decodes, RBLN block mapping."""
+class _RBLNScheduling:
+    """DESIGN §4 step shapes, chunked prefill interleaved with decodes, RBLN block mapping.
+
+    A mixin over vLLM's ``Scheduler`` (:class:`RBLNScheduler`) or ``AsyncScheduler``
+    (:class:`RBLNAsyncScheduler`, with async scheduling: vLLM's own placeholder bookkeeping
+    for tokens still in flight, which the runner fills from its own sampled tokens).
+    """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -212,3 +218,11 @@ class RBLNScheduler(Scheduler):
                 if not blocks:
                     break
                 self.kv_cache_manager.evict_blocks({blocks[0].block_id})
+
+
+class RBLNScheduler(_RBLNScheduling, Scheduler):
+    """The RBLN scheduler without async scheduling."""
+
+
+class RBLNAsyncScheduler(_RBLNScheduling, AsyncScheduler):
+    """The RBLN scheduler with async scheduling (the default)."""

@@ -42,7 +42,14 @@ async def main(spec: dict) -> dict:
     await engine.abort(["r2", "r3"])
     await asyncio.gather(*longs)
     await asyncio.gather(*(run(i, short_params) for i in range(8, 10)))
-    stats = (await engine.collective_rpc("step_stats"))[0]
+    # The engine tells the workers about finished requests with its next (empty) step, which
+    # runs after the last output reached us: poll until the slots are released (bounded).
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        stats = (await engine.collective_rpc("step_stats"))[0]
+        if stats["slots_in_use"] == 0 or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.05)
     engine.shutdown()
     stats.pop("history", None)
     completed = {r: t for r, t in tokens.items() if finished.get(r) == "length" and len(t) == 12}
