@@ -1,0 +1,93 @@
+"""Rebellions' own vLLM plugin, vllm-rbln 0.12.0, runs unmodified on the emulator.
+
+In the side environment (``make peer-env``), with vllm-rbln's defaults: its RBLN sampler
+(graphs compiled by ``rebel.core.torch_compile.rbln_backend`` calling ``torch.ops.rbln.*``),
+prefix caching (hits copied on the device with ``Runtime._copy_kv_cache``) and chunked
+prefill at the compiled chunk. One engine start serves every request of this module.
+The reference is transformers' own greedy output on the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import uuid
+
+import pytest
+
+from benchmarks.peer_env import peer_env, peer_python
+from rbln_ray.models import build_tiny_model
+from tests.conftest import ROOT, compiled_model, hf_greedy
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 16
+MIXED = [
+    [5],
+    [100, 200, 300, 400, 500, 600, 700],
+    list(range(1000, 1037)),
+    [7] * 130,  # crosses a 128-token prefill chunk
+    [9, 8, 7],
+    [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+    [3000 + i for i in range(60)],
+    [42, 4095, 1, 2],
+]
+_rng = random.Random(260)
+SHARED = [_rng.randrange(10, 4000) for _ in range(260)]
+SHARED_PREFIX = [SHARED + [_rng.randrange(10, 4000) for _ in range(3 + i)] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def peer_run() -> dict:
+    """One vllm-rbln engine (side env, emulated ATOM) over every prompt; outputs and logs."""
+    model = compiled_model("llama")  # the same artifact rbln-ray's own tests serve
+    spec = {
+        "model": str(model),
+        # rbln-ray's runtime-call log, read through vLLM's public worker extension hook
+        "llm_kwargs": {"worker_extension_cls": "rbln_ray.emulator.timing.RuntimeCallsExtension"},
+        "requests": [
+            {
+                "prompt_token_ids": p,
+                "params": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True},
+            }
+            for p in MIXED + SHARED_PREFIX
+        ],
+        "rpc": ["emulator_calls"],
+    }
+    proc = subprocess.run(
+        [str(peer_python()), str(ROOT / "tests" / "scripts" / "rbln_llm_run.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+        env=peer_env(RBLN_RAY_NODE_ID=f"peer-{uuid.uuid4().hex[:8]}"),
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-6000:])
+    result = json.loads(lines[-1][len("RESULT ") :])
+    return {**result, "log": proc.stdout + proc.stderr}
+
+
+def test_it_is_vllm_rbln_with_its_defaults(peer_run):
+    log = peer_run["log"]
+    assert "Platform plugin rbln is activated" in log
+    assert "vllm_rbln:register" in log and "rbln_ray.vllm_plugin" not in log
+    assert "Using RBLN sampler: True" in log  # graphs via rbln_backend + torch.ops.rbln.*
+    assert "enable_prefix_caching=True" in log
+    assert "max_num_batched_tokens from 1024 to 128" in log  # chunked prefill at the chunk
+
+
+def test_greedy_token_exact_on_mixed_prompts(peer_run):
+    got = [o[0]["token_ids"] for o in peer_run["outputs"][: len(MIXED)]]
+    assert got == hf_greedy(build_tiny_model(family="llama"), MIXED, NEW_TOKENS)
+
+
+def test_shared_prefix_hits_are_copied_on_the_device_and_token_exact(peer_run):
+    got = [o[0]["token_ids"] for o in peer_run["outputs"][len(MIXED) :]]
+    assert got == hf_greedy(build_tiny_model(family="llama"), SHARED_PREFIX, NEW_TOKENS)
+    assert "KVCacheCopyError" not in peer_run["log"]
+    calls = peer_run["rpc"]["emulator_calls"][0]["calls"]
+    copies = [c for c in calls if c["kind"] == "copy"]
+    # every later shared-prefix request reused the cached 256-token prefix (2 x 128 blocks)
+    assert len(copies) >= len(SHARED_PREFIX) - 1, f"{len(copies)} KV copies"
