@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rbln_ray.emulator import device_kinds, devices, reports, timing
+from rbln_ray.emulator import device_kinds, devices, reports, threads, timing
 from rbln_ray.emulator.compiled_model import RBLNCompiledModel, _dtype
 from rbln_ray.emulator.kv_host import KVHostTransfer, check_blocks, check_slots
 
@@ -182,7 +182,7 @@ class Runtime(KVHostTransfer):
         if self._timing is not None:
             outputs = self._timing.run(self._module, inputs, self._kv, start)
         else:
-            with torch.no_grad():
+            with torch.no_grad(), threads.device_threads():
                 result = self._module(*inputs, *self._kv)
             outputs = list(result) if isinstance(result, (tuple, list)) else [result]
             timing.record_call(start, inputs)

@@ -400,10 +400,13 @@ class Recorder:
             self.total_calls, self.total_seconds, self.total_modelled = 0, 0.0, 0.0
 
     def snapshot(self) -> dict[str, Any]:
+        import torch
+
         with self._lock:
             return {
                 "pid": os.getpid(),
                 "mode": "timing" if timing_enabled() else "compute",
+                "torch_threads": torch.get_num_threads(),  # what compute-mode calls ran on
                 "total_calls": self.total_calls,
                 "total_seconds": self.total_seconds,
                 "total_modelled_seconds": self.total_modelled,

@@ -15,6 +15,7 @@ import rebel
 import torch
 
 from rbln_ray.emulator import DeviceError
+from rbln_ray.emulator.rebel.core.torch_compile import GraphRuntime
 
 # vllm-rbln's own option set for its sampler graphs (compile_sampler, non device-tensor path).
 SAMPLER_OPTIONS = {"compile_context": None, "use_global_ctx": True, "global_device_id": 0}
@@ -243,3 +244,27 @@ def test_transfers_reject_a_host_buffer_that_cannot_hold_the_cache(loaded_pair):
     strided = torch.zeros(2 * rt._get_kv_cache_size(None) // 4)[::2]
     with pytest.raises(ValueError, match="contiguous"):
         rt._fetch_kv_cache(strided, 0, 0, 1, None)
+
+
+# ---------------------------------------------------------------------------- device threads
+class ThreadProbe(torch.nn.Module):
+    def forward(self, x, kv):
+        return torch.tensor([float(torch.get_num_threads())])
+
+
+def test_device_calls_use_the_emulated_device_threads(monkeypatch):
+    ctx = rebel.CompileContext()
+    kv = torch.zeros(1, 1, 1, 2, 2, device="meta")
+    ctx.mark_static_address(kv, "past_key_values_0")
+    info = [("x", [1], "float32"), ("past_key_values_0", list(kv.shape), "float32")]
+    rt = rebel.Runtime(rebel.compile_from_torch(ThreadProbe(), info, compile_context=ctx), device=0)
+    host = torch.get_num_threads()
+    monkeypatch.setenv("RBLN_RAY_EMULATOR_THREADS", str(host + 2))
+    assert rt(torch.zeros(1)).item() == host + 2
+    graph = GraphRuntime(ThreadProbe(), device=0, compile_only=False)  # rbln_backend's runner
+    assert graph(torch.zeros(1), None).item() == host + 2
+    assert torch.get_num_threads() == host  # restored after each call
+    monkeypatch.delenv("RBLN_RAY_EMULATOR_THREADS")
+    assert rt(torch.zeros(1)).item() == host
+    del rt
+    gc.collect()

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from rbln_ray.emulator import devices, reports
+from rbln_ray.emulator import devices, reports, threads
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class GraphRuntime:
                 "it has no runtime to execute"
             )
         start = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), threads.device_threads():
             out = self.graph_module(*inputs)
         if reports.capturing():
             elapsed = time.perf_counter() - start
