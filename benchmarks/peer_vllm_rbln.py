@@ -13,8 +13,9 @@ Workloads (output tok/s, greedy, ignore_eos):
   caching turns the shared part into on-device KV copies (``kv_copies`` in the results).
 
 Modes: ``compute`` (the emulator does the real math on the CPU; token-correct) and
-``timing`` (device calls sleep the modelled ATOM latency, rbln_ray.emulator.timing; outputs are
-garbage, the host work of each plugin is real). The emulated device computes with the same
+``timing`` (device calls sleep the modelled ATOM latency of llama-3-8b, ``--timing-shape``,
+as the other modelled benchmarks; rbln_ray.emulator.timing; outputs are garbage, the host work
+of each plugin is real). The emulated device computes with the same
 number of threads under both (``--threads`` -> ``RBLN_RAY_EMULATOR_THREADS``, default 1);
 host-side threads stay each plugin's own choice (vllm-rbln sets max(2, cpus // 2) itself).
 
@@ -149,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=5, help="fresh engine runs per plugin and mode")
     p.add_argument("--modes", default="compute,timing")
     p.add_argument("--threads", type=int, default=1, help="emulated device compute threads")
-    p.add_argument("--timing-shape", default="", help="timing mode: model this preset's latency")
+    p.add_argument(
+        "--timing-shape",
+        default="llama-3-8b",
+        help="timing mode: model this preset's latency ('' = the graph's own tiny shape)",
+    )
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
