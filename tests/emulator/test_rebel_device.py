@@ -19,7 +19,7 @@ import torch
 
 from rbln_ray.emulator import DeviceError, device_kinds, devices
 from rbln_ray.emulator.timing import REBEL_SPEC, DeviceSpec
-from tests.conftest import ROOT, compiled_model, hf_greedy, run_script
+from tests.conftest import ROOT, compiled_model, greedy_request, hf_greedy, run_script
 
 GiB = 2**30
 REBEL_ENV = {device_kinds.KIND_ENV: "rebel"}
@@ -157,13 +157,7 @@ def test_compile_and_vllm_llm_on_rebel_are_token_exact(monkeypatch):
     prompts = [[5], [9, 8, 7], list(range(1000, 1037)), [7] * 600, [3000 + i for i in range(60)]]
     spec = {
         "model": str(model),
-        "requests": [
-            {
-                "prompt_token_ids": p,
-                "params": {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True},
-            }
-            for p in prompts
-        ],
+        "requests": [greedy_request(p, 16) for p in prompts],
     }
     result = run_script("rbln_llm_run.py", json.dumps(spec), env=REBEL_ENV)
     got = [o[0]["token_ids"] for o in result["outputs"]]

@@ -18,21 +18,12 @@ import pytest
 
 from benchmarks.peer_env import peer_env, peer_python
 from rbln_ray.models import build_tiny_model
-from tests.conftest import ROOT, compiled_model, hf_greedy
+from tests.conftest import EIGHT_PROMPTS, ROOT, compiled_model, greedy_request, hf_greedy
 
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 16
-MIXED = [
-    [5],
-    [100, 200, 300, 400, 500, 600, 700],
-    list(range(1000, 1037)),
-    [7] * 130,  # crosses a 128-token prefill chunk
-    [9, 8, 7],
-    [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
-    [3000 + i for i in range(60)],
-    [42, 4095, 1, 2],
-]
+MIXED = EIGHT_PROMPTS
 _rng = random.Random(260)
 SHARED = [_rng.randrange(10, 4000) for _ in range(260)]
 SHARED_PREFIX = [SHARED + [_rng.randrange(10, 4000) for _ in range(3 + i)] for i in range(8)]
@@ -46,13 +37,7 @@ def peer_run() -> dict:
         "model": str(model),
         # rbln-ray's runtime-call log, read through vLLM's public worker extension hook
         "llm_kwargs": {"worker_extension_cls": "rbln_ray.emulator.timing.RuntimeCallsExtension"},
-        "requests": [
-            {
-                "prompt_token_ids": p,
-                "params": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True},
-            }
-            for p in MIXED + SHARED_PREFIX
-        ],
+        "requests": [greedy_request(p, NEW_TOKENS) for p in MIXED + SHARED_PREFIX],
         "rpc": ["emulator_calls"],
     }
     proc = subprocess.run(
