@@ -76,3 +76,47 @@ def test_shared_prefix_hits_are_copied_on_the_device_and_token_exact(peer_run):
     copies = [c for c in calls if c["kind"] == "copy"]
     # every later shared-prefix request reused the cached 256-token prefix (2 x 128 blocks)
     assert len(copies) >= len(SHARED_PREFIX) - 1, f"{len(copies)} KV copies"
+
+
+def test_vllm_rbln_rejection_sampling_graph_is_greedy_verification():
+    """vllm-rbln's own graph around torch.ops.rbln.rejection_sample (its speculative-decoding
+    path), compiled with its own helper: greedy output equals a plain-Python verification."""
+    gen = random.Random(5)
+    vocab, width, counts = 10, 3, [3, 1, 2, 0]
+    rows = [[gen.random() for _ in range(vocab)] for _ in range(width * len(counts))]
+    best = [max(range(vocab), key=row.__getitem__) for row in rows]
+    drafts = [best[0], best[1], (best[2] + 1) % vocab, best[3], best[4], (best[5] + 3) % vocab]
+    starts = [sum(counts[:r]) for r in range(len(counts))]
+    per_batch = [
+        drafts[s : s + n] + [-1] * (width - n) for s, n in zip(starts, counts, strict=True)
+    ]
+    bonus = [[7], [8], [9], [6]]
+    spec = {
+        "draft_token_ids": drafts + [0] * (width * len(counts) - len(drafts)),
+        "target_logits": rows,
+        "cu_num_draft_tokens": [s + n for s, n in zip(starts, counts, strict=True)],
+        "draft_per_batch": per_batch,
+        "bonus_token_ids": bonus,
+        "num_draft_tokens": counts,
+    }
+    expected = []
+    for r, (s, n) in enumerate(zip(starts, counts, strict=True)):
+        out, accepted = [], 0
+        while accepted < n and drafts[s + accepted] == best[s + accepted]:
+            out.append(drafts[s + accepted])
+            accepted += 1
+        out.append(best[s + accepted] if accepted < n else bonus[r][0])
+        expected.append(out + [-1] * (width + 1 - len(out)))
+    proc = subprocess.run(
+        [str(peer_python()), str(ROOT / "tests" / "scripts" / "peer_rejection_sample.py")]
+        + [json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=peer_env(RBLN_RAY_NODE_ID=f"peer-{uuid.uuid4().hex[:8]}"),
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-6000:])
+    assert json.loads(lines[-1][len("RESULT ") :])["out"] == expected
+    assert expected[0][:3] == drafts[:2] + [best[2]]  # the case mixes accepts and a rejection
