@@ -29,6 +29,21 @@ SHARED = [_rng.randrange(10, 4000) for _ in range(260)]
 SHARED_PREFIX = [SHARED + [_rng.randrange(10, 4000) for _ in range(3 + i)] for i in range(8)]
 
 
+def run_in_peer(script: str, spec: dict, timeout: float) -> tuple[dict, str]:
+    """Run ``tests/scripts/<script>`` in the side env; (its RESULT JSON, stdout + stderr)."""
+    proc = subprocess.run(
+        [str(peer_python()), str(ROOT / "tests" / "scripts" / script), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=peer_env(RBLN_RAY_NODE_ID=f"peer-{uuid.uuid4().hex[:8]}"),  # private devices
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-6000:])
+    return json.loads(lines[-1][len("RESULT ") :]), proc.stdout + proc.stderr
+
+
 @pytest.fixture(scope="module")
 def peer_run() -> dict:
     """One vllm-rbln engine (side env, emulated ATOM) over every prompt; outputs and logs."""
@@ -40,18 +55,8 @@ def peer_run() -> dict:
         "requests": [greedy_request(p, NEW_TOKENS) for p in MIXED + SHARED_PREFIX],
         "rpc": ["emulator_calls"],
     }
-    proc = subprocess.run(
-        [str(peer_python()), str(ROOT / "tests" / "scripts" / "rbln_llm_run.py"), json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=ROOT,
-        env=peer_env(RBLN_RAY_NODE_ID=f"peer-{uuid.uuid4().hex[:8]}"),
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-6000:])
-    result = json.loads(lines[-1][len("RESULT ") :])
-    return {**result, "log": proc.stdout + proc.stderr}
+    result, log = run_in_peer("rbln_llm_run.py", spec, timeout=900)
+    return {**result, "log": log}
 
 
 def test_it_is_vllm_rbln_with_its_defaults(peer_run):
@@ -107,16 +112,6 @@ def test_vllm_rbln_rejection_sampling_graph_is_greedy_verification():
             accepted += 1
         out.append(best[s + accepted] if accepted < n else bonus[r][0])
         expected.append(out + [-1] * (width + 1 - len(out)))
-    proc = subprocess.run(
-        [str(peer_python()), str(ROOT / "tests" / "scripts" / "peer_rejection_sample.py")]
-        + [json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env=peer_env(RBLN_RAY_NODE_ID=f"peer-{uuid.uuid4().hex[:8]}"),
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-6000:])
-    assert json.loads(lines[-1][len("RESULT ") :])["out"] == expected
+    result, _ = run_in_peer("peer_rejection_sample.py", spec, timeout=300)
+    assert result["out"] == expected
     assert expected[0][:3] == drafts[:2] + [best[2]]  # the case mixes accepts and a rejection
