@@ -3,10 +3,21 @@ PY      ?= python3.11
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.rbln-ray-installed
+# Side env for Rebellions' own vLLM plugin (vllm-rbln 0.12.0), the peer the benchmarks and
+# tests/peer compare against; separate because both plugins are named `rbln` in vLLM.
+PEER       := .venv-vllm-rbln
+PEER_STAMP := $(PEER)/.peer-installed
 
-.PHONY: setup test lint demo clean
+.PHONY: setup peer-env test lint demo clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(PEER_STAMP)
+
+peer-env: $(PEER_STAMP)
+
+# Re-runs only when its inputs change (scripts/peer_env.sh explains each step).
+$(PEER_STAMP): requirements-peer.txt scripts/peer_env.sh scripts/peer_env/torchvision_ops.py
+	scripts/peer_env.sh $(PY) $(PEER)
+	touch $(PEER_STAMP)
 
 # Re-runs only when a requirements file changes, so a second `make setup` is instant.
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
@@ -33,4 +44,4 @@ demo: setup
 	$(BIN)/rbln-ray serve
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(PEER) build *.egg-info

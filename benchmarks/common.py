@@ -27,10 +27,17 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_json(script: str, spec: dict[str, Any], env: dict[str, str], timeout: float) -> dict:
-    """Run ``benchmarks/<script>`` with a JSON spec; return its last ``RESULT`` line."""
+def run_json(
+    script: str,
+    spec: dict[str, Any],
+    env: dict[str, str],
+    timeout: float,
+    python: str | os.PathLike[str] = PYTHON,
+) -> dict:
+    """Run ``benchmarks/<script>`` with a JSON spec (under ``python``, default this
+    interpreter); return its last ``RESULT`` line."""
     proc = subprocess.run(
-        [PYTHON, str(ROOT / "benchmarks" / script), json.dumps(spec)],
+        [str(python), str(ROOT / "benchmarks" / script), json.dumps(spec)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -149,16 +156,23 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
 
 
+def compiled_artifact(hf_dir: Path, batch: int, max_seq_len: int = 1024) -> Path:
+    """``hf_dir`` compiled by rbln-ray's compile path at ``batch`` (cached by rbln-ray)."""
+    os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
+    from rbln_ray.vllm_plugin.loader import CompileSettings, resolve_compiled_dir
+
+    sizes = tuple(sorted({batch, *(b for b in (1, 2, 4) if b < batch)}, reverse=True))
+    settings = CompileSettings(batch_size=batch, max_seq_len=max_seq_len, decoder_batch_sizes=sizes)
+    return resolve_compiled_dir(hf_dir, settings)
+
+
 def compiled_demo(batch: int, max_seq_len: int = 1024) -> tuple[Path, Path]:
     """(HF dir, compiled dir) of the demo model at ``batch`` (cached by rbln-ray)."""
     os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
     from rbln_ray.models import demo_model_dir
-    from rbln_ray.vllm_plugin.loader import CompileSettings, resolve_compiled_dir
 
-    sizes = tuple(sorted({batch, *(b for b in (1, 2, 4) if b < batch)}, reverse=True))
     hf_dir = demo_model_dir()
-    settings = CompileSettings(batch_size=batch, max_seq_len=max_seq_len, decoder_batch_sizes=sizes)
-    return hf_dir, resolve_compiled_dir(hf_dir, settings)
+    return hf_dir, compiled_artifact(hf_dir, batch, max_seq_len)
 
 
 def vocab_of(model_dir: Path) -> int:

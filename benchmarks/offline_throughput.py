@@ -34,16 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         args.num_prompts, args.input_len, args.output_len = 8, 32, 16
 
     if args.model:
-        from rbln_ray.vllm_plugin.loader import CompileSettings, resolve_compiled_dir
-
         hf_dir = Path(args.model)
-        sizes = tuple(sorted({args.batch, *(b for b in (1, 2, 4) if b < args.batch)})[::-1])
-        compiled = resolve_compiled_dir(
-            hf_dir,
-            CompileSettings(
-                batch_size=args.batch, max_seq_len=args.max_seq_len, decoder_batch_sizes=sizes
-            ),
-        )
+        compiled = common.compiled_artifact(hf_dir, args.batch, args.max_seq_len)
     else:
         hf_dir, compiled = common.compiled_demo(args.batch, args.max_seq_len)
     base = {

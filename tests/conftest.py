@@ -16,6 +16,27 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# Mixed prompt lengths the greedy tests share (token ids of the tiny models' vocab).
+EIGHT_PROMPTS = [
+    [5],
+    [100, 200, 300, 400, 500, 600, 700],
+    list(range(1000, 1037)),
+    [7] * 130,  # crosses a 128-token prefill chunk
+    [9, 8, 7],
+    [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+    [3000 + i for i in range(60)],
+    [42, 4095, 1, 2],
+]
+
+
+def greedy_request(prompt: list[int], max_tokens: int) -> dict:
+    """A ``rbln_llm_run.py`` request: greedy, ``ignore_eos``, exactly ``max_tokens``."""
+    return {
+        "prompt_token_ids": prompt,
+        "params": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True},
+    }
+
+
 def hf_greedy(
     model_dir: Path | str, prompts: list[list[int]], max_new_tokens: int
 ) -> list[list[int]]:

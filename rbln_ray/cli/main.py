@@ -144,7 +144,7 @@ def parser() -> argparse.ArgumentParser:
 
     from rbln_ray.cli import plan_cmd
 
-    pl = sub.add_parser("plan", help="estimate ATOM cards, devices per worker and replicas")
+    pl = sub.add_parser("plan", help="estimate RBLN cards, devices per worker and replicas")
     plan_cmd.add_arguments(pl)
     pl.set_defaults(func=plan_cmd.run)
     return p

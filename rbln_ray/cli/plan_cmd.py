@@ -1,11 +1,13 @@
-"""``rbln-ray plan``: how many ATOM cards, devices per worker and replicas a workload needs.
+"""``rbln-ray plan``: how many RBLN cards, devices per worker and replicas a workload needs.
 
     rbln-ray plan --model llama-3-8b --input-len 1024 --output-len 256 --rate 10
+    rbln-ray plan --device rebel --model llama-3-70b --input-len 1024 --output-len 256 --rate 10
     rbln-ray plan --params 8e9 --layers 32 --hidden 4096 --kv-bytes-per-token 131072 ...
     rbln-ray plan --model path/to/hf_dir ... --json
 
-Estimates come from the emulator's ATOM timing model (rbln_ray.emulator.timing); the DRAM
-bandwidth and efficiencies are assumptions (flags below), not measured figures.
+Estimates come from the emulator's timing model of the chosen device (ATOM by default, or
+REBEL; rbln_ray.emulator.timing lists which figures are published and which are
+assumptions); the hardware flags below override the device's figures.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import argparse
 import json
 from dataclasses import replace
 
-from rbln_ray.emulator.timing import PRESETS, AtomSpec, shape_from_spec
+from rbln_ray.emulator import device_kinds
+from rbln_ray.emulator.timing import PRESETS, SPECS, DeviceSpec, shape_from_spec
 from rbln_ray.planning import Limits, Plan, Workload, plan, shape_from_dims
 
 
@@ -38,19 +41,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--tpot-slo-ms", type=float)
     w.add_argument("--ttft-slo-ms", type=float)
     w.add_argument("--host-ms-per-step", type=float, default=0.0)
-    h = p.add_argument_group("hardware model (assumptions)")
-    base = AtomSpec()
-    h.add_argument("--dram-gbps", type=float, default=base.dram_bytes_per_s / 1e9)
-    h.add_argument("--peak-tflops", type=float, default=base.peak_flops / 1e12)
-    h.add_argument("--compute-eff", type=float, default=base.compute_eff)
-    h.add_argument("--dram-eff", type=float, default=base.dram_eff)
-    h.add_argument("--call-overhead-us", type=float, default=base.call_overhead_s * 1e6)
+    h = p.add_argument_group("hardware model (default: the device's figures; see timing.py)")
+    h.add_argument(
+        "--device",
+        choices=sorted(SPECS),
+        help=f"device kind to plan for (default: {device_kinds.KIND_ENV}, else atom)",
+    )
+    h.add_argument("--dram-gbps", type=float)
+    h.add_argument("--peak-tflops", type=float)
+    h.add_argument("--compute-eff", type=float)
+    h.add_argument("--dram-eff", type=float)
+    h.add_argument("--call-overhead-us", type=float)
     h.add_argument("--cards-per-node", type=int, default=Limits().cards_per_node)
     h.add_argument(
         "--batch-sizes", help="comma list of compiled batches to consider (default 1..128)"
     )
     p.add_argument("--json", action="store_true", help="print the full plan as JSON")
     p.add_argument("--all", action="store_true", help="list every fitting option, not the best")
+
+
+def device_spec(args: argparse.Namespace) -> DeviceSpec:
+    """The chosen device's figures (env overrides applied), then any hardware flags."""
+    spec = DeviceSpec.from_env(kind=args.device)
+    flags = {
+        "dram_bytes_per_s": (args.dram_gbps, 1e9),
+        "peak_flops": (args.peak_tflops, 1e12),
+        "compute_eff": (args.compute_eff, 1.0),
+        "dram_eff": (args.dram_eff, 1.0),
+        "call_overhead_s": (args.call_overhead_us, 1e-6),
+    }
+    given = {k: v * scale for k, (v, scale) in flags.items() if v is not None}
+    return replace(spec, **given)
 
 
 def build(args: argparse.Namespace) -> Plan:
@@ -64,14 +85,7 @@ def build(args: argparse.Namespace) -> Plan:
         raise SystemExit(
             "give --model PRESET|DIR, or --params, --layers, --hidden and --kv-bytes-per-token"
         )
-    spec = replace(
-        AtomSpec.from_env(),
-        dram_bytes_per_s=args.dram_gbps * 1e9,
-        peak_flops=args.peak_tflops * 1e12,
-        compute_eff=args.compute_eff,
-        dram_eff=args.dram_eff,
-        call_overhead_s=args.call_overhead_us * 1e-6,
-    )
+    spec = device_spec(args)
     limits = Limits(cards_per_node=args.cards_per_node)
     if args.batch_sizes:
         limits = replace(limits, batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")))
@@ -84,20 +98,24 @@ def build(args: argparse.Namespace) -> Plan:
         tpot_slo_ms=args.tpot_slo_ms,
         ttft_slo_ms=args.ttft_slo_ms,
         host_ms_per_step=args.host_ms_per_step,
+        prefill_chunk=device_kinds.kind_by_name(spec.name).prefill_chunk,
     )
     return plan(shape, work, spec, limits)
 
 
 def render(result: Plan, show_all: bool = False) -> str:
     m, w = result.model, result.workload
+    device = result.spec.get("name", "ATOM")
     lines = [
         f"model {m['name']}: {m['params'] / 1e9:.2f} B params, {m['num_layers']} layers, "
         f"hidden {m['hidden_size']}, KV {m['kv_bytes_per_token'] / 1024:.0f} KiB/token (FP16)",
         f"workload: {w['input_len']} in / {w['output_len']} out tokens, {w['rate']:g} req/s, "
         f"max_seq_len {w['max_seq_len']}, target utilization {w['utilization']:.0%}",
-        f"ATOM model: {result.spec['peak_flops'] / 1e12:g} TFLOPS x {result.spec['compute_eff']}"
-        f", {result.spec['dram_bytes_per_s'] / 1e9:g} GB/s x {result.spec['dram_eff']} (assumed)"
-        f", {result.spec['call_overhead_s'] * 1e6:g} us/call",
+        f"{device} model: {result.spec['peak_flops'] / 1e12:g} TFLOPS x "
+        f"{result.spec['compute_eff']}, {result.spec['dram_bytes_per_s'] / 1e9:g} GB/s x "
+        f"{result.spec['dram_eff']}, {result.spec['call_overhead_s'] * 1e6:g} us/call, "
+        f"{result.spec['dram_capacity'] / 2**30:.1f} GiB usable (see timing.py for which "
+        "figures are published and which assumed)",
         "",
     ]
     header = (
@@ -131,7 +149,7 @@ def render(result: Plan, show_all: bool = False) -> str:
         lines.append(f"no plan: {result.bounds.get('plan')}")
     else:
         lines.append(
-            f"PLAN: {c.cards} ATOM card(s) on {c.nodes} node(s) = {c.replicas} replica(s) x "
+            f"PLAN: {c.cards} {device} card(s) on {c.nodes} node(s) = {c.replicas} replica(s) x "
             f"{c.devices_per_worker} device(s) per worker, compiled batch {c.batch}; "
             f"~{c.replica_tok_s * c.replicas:.0f} output tok/s capacity, TTFT >= {c.ttft_ms:.0f} "
             f"ms, TPOT ~{c.tpot_ms:.1f} ms"

@@ -1,9 +1,13 @@
 """CPU emulator of Rebellions' ``rebel`` runtime, so optimum-rbln runs unmodified without an NPU.
 
 Layout (one job per module): ``switch`` (``RBLN_RAY_DEVICE`` and activation), ``rebel`` (the
-emulated package surface), ``compiled_model`` / ``runtime`` (compile snapshots, execution,
-shared KV), ``ops`` / ``kernels`` (``torch.ops.rbln_custom_ops``), ``devices`` (visibility,
-per-node locks, DRAM ledger), ``compile`` (optimum-based compile helper).
+emulated package surface, with ``rebel.core.torch_compile``'s ``rbln_backend``),
+``compiled_model`` / ``runtime`` (compile snapshots, execution, shared KV), ``kv_host`` (KV
+block checks and host transfers), ``ops`` / ``kernels`` / ``sampling``
+(``torch.ops.rbln_custom_ops`` and ``torch.ops.rbln``), ``devices`` (visibility, per-node
+locks, per-chiplet DRAM ledger), ``device_kinds`` (ATOM / REBEL), ``reports``
+(``rebel.capture_reports``), ``threads`` (device compute threads), ``timing`` (timing mode),
+``compile`` (optimum-based compile helper).
 """
 
 from __future__ import annotations

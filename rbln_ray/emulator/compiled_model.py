@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from rbln_ray.emulator import device_kinds
+
 logger = logging.getLogger(__name__)
 
 FORMAT = "rbln-ray-emulated/1"
@@ -151,6 +153,16 @@ class RBLNCompiledModel:
     def weight_bytes(self) -> int:
         return self._p["weight_bytes"]
 
+    @property
+    def npu(self) -> str | None:
+        """The NPU name this graph was compiled for (``RBLN-CA25``, ``RBLN-CR13``...)."""
+        return self._p.get("npu")
+
+    @property
+    def kind(self) -> device_kinds.DeviceKind:
+        """The NPU family compiled for (this process's kind when no NPU was named)."""
+        return device_kinds.kind_by_name(self.npu) if self.npu else device_kinds.current()
+
     def kv_bytes(self) -> dict[str, int]:
         return {
             name: math.prod(shape) * torch.empty((), dtype=_dtype(d)).element_size()
@@ -166,9 +178,11 @@ class RBLNCompiledModel:
         return _align(2**21 + 16 * io)
 
     # -- memory introspection used by optimum's automatic KV block count --------------------
+    # Shapes are [device][chiplet] (optimum calls the outer index "node"): ATOM has one
+    # chiplet per device, REBEL four; the emulator spreads every allocation evenly.
     def _per_device(self, nbytes: int) -> list[list[int]]:
-        n = self.num_devices
-        return [[_align(nbytes // n)] for _ in range(n)]
+        n, chiplets = self.num_devices, self.kind.chiplets
+        return [[_align(nbytes // n // chiplets)] * chiplets for _ in range(n)]
 
     def get_alloc_per_chiplet_by_key(self) -> dict[str, list[list[int]]]:
         weights = self.weight_bytes if self._p["owns_weights"] else 0
@@ -182,8 +196,11 @@ class RBLNCompiledModel:
         return {k: [sum(c) for c in v] for k, v in self.get_alloc_per_chiplet_by_key().items()}
 
     def exp_get_dram_tensor_sizes(self) -> dict[str, list[list[int]]]:
-        n = self.num_devices
-        return {name: [[b // n] for _ in range(n)] for name, b in self.kv_bytes().items()}
+        n, chiplets = self.num_devices, self.kind.chiplets
+        return {
+            name: [[b // n // chiplets] * chiplets for _ in range(n)]
+            for name, b in self.kv_bytes().items()
+        }
 
     def exp_multiply_buffer_size(self, multipliers: dict[str, int]) -> None:
         for name, factor in multipliers.items():

@@ -14,6 +14,11 @@ Ownership: one lock file per (node, physical device) under
 ``<rbln-ray cache>/device-locks/<node>/<id>.lock``, held with ``fcntl.flock``
 (released by the kernel when the holder dies) and containing the holder's pid and memory use.
 A process may open many runtimes on a device it holds; another live process may not.
+
+Memory: each device has the DRAM budget of its kind (:mod:`rbln_ray.emulator.device_kinds`:
+ATOM 16 GiB - 288 MiB; REBEL 4 chiplets x (36 GiB - 1 GiB)). Charges are split evenly over a
+device's chiplets and each chiplet is checked against its own budget, as optimum-rbln does
+when it sizes the KV cache.
 """
 
 from __future__ import annotations
@@ -28,12 +33,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from rbln_ray.emulator import device_kinds
+
 logger = logging.getLogger(__name__)
 
-NPU_NAME = "RBLN-CA25"
-DRAM_TOTAL = 16 * 2**30
-DRAM_RESERVED = 288 * 2**20
-DRAM_BUDGET = DRAM_TOTAL - DRAM_RESERVED
 VISIBLE_ENVS = ("RBLN_DEVICES", "RBLN_VISIBLE_DEVICES")
 
 
@@ -126,7 +129,14 @@ class _Held:
     fd: int
     pid: int
     refs: int
-    used: dict[str, int]
+    used: dict[str, list[int]]  # owner -> bytes per chiplet
+    kind: device_kinds.DeviceKind
+
+    def chiplet_use(self) -> list[int]:
+        return [sum(per[i] for per in self.used.values()) for i in range(self.kind.chiplets)]
+
+    def total(self) -> int:
+        return sum(sum(per) for per in self.used.values())
 
 
 class _Ledger:
@@ -155,7 +165,9 @@ class _Ledger:
                     f"RBLN device {physical} on node {key[0]!r} is held by process {owner}; "
                     f"process {os.getpid()} cannot open a runtime on it (one process per device)"
                 ) from None
-            self._held[key] = _Held(fd=fd, pid=os.getpid(), refs=1, used={})
+            self._held[key] = _Held(
+                fd=fd, pid=os.getpid(), refs=1, used={}, kind=device_kinds.current()
+            )
             self._write(key)
             return key
 
@@ -178,23 +190,35 @@ class _Ledger:
                 os.close(held.fd)
 
     def charge(self, key: tuple[str, int], owner: str, nbytes: int, what: str) -> None:
-        """Charge ``nbytes`` to ``owner`` on a held device; fail like the NPU when DRAM runs out."""
+        """Charge ``nbytes`` to ``owner`` on a held device, split evenly over its chiplets;
+        fail like the NPU when a chiplet's DRAM runs out."""
         with self._lock:
             held = self._held[key]
-            used = sum(held.used.values())
-            if used + nbytes > DRAM_BUDGET:
-                free_mib, total_mib = (DRAM_BUDGET - used) / 2**20, DRAM_BUDGET / 2**20
-                raise RuntimeError(
-                    f"Lack of device memory: {what} needs {nbytes / 2**20:.1f} MiB on RBLN device "
-                    f"{key[1]} (node {key[0]!r}) but only "
-                    f"{free_mib:.1f} MiB of {total_mib:.0f} MiB is free"
-                )
-            held.used[owner] = held.used.get(owner, 0) + nbytes
+            kind = held.kind
+            share = -(-nbytes // kind.chiplets)
+            for chiplet, used in enumerate(held.chiplet_use()):
+                if used + share > kind.chiplet_budget:
+                    where = f", chiplet {chiplet}" if kind.chiplets > 1 else ""
+                    free_mib = (kind.chiplet_budget - used) / 2**20
+                    raise RuntimeError(
+                        f"Lack of device memory: {what} needs {share / 2**20:.1f} MiB on RBLN "
+                        f"device {key[1]} ({kind.npu_name}, node {key[0]!r}{where}) but only "
+                        f"{free_mib:.1f} MiB of {kind.chiplet_budget / 2**20:.0f} MiB is free"
+                    )
+            per = held.used.setdefault(owner, [0] * kind.chiplets)
+            for chiplet in range(kind.chiplets):
+                per[chiplet] += share
             self._write(key)
 
     def _write(self, key: tuple[str, int]) -> None:
         held = self._held[key]
-        info = {"pid": held.pid, "node": key[0], "device": key[1], "used": sum(held.used.values())}
+        info = {
+            "pid": held.pid,
+            "node": key[0],
+            "device": key[1],
+            "npu": held.kind.npu_name,
+            "used": held.total(),
+        }
         data = json.dumps(info).encode()
         os.ftruncate(held.fd, 0)
         os.pwrite(held.fd, data, 0)
@@ -237,22 +261,30 @@ class DeviceInfo:
 
 
 def list_devices(node: str | None = None) -> list[DeviceInfo]:
-    """Every emulated device of ``node`` (default: this node) with its holder and memory use."""
+    """Every emulated device of ``node`` (default: this node) with its holder and memory use.
+
+    Devices are of this process's kind (``RBLN_RAY_EMULATED_NPU``); the kind a holder
+    reported in its lock file wins for a device in use.
+    """
     node = node or node_id()
     visible = set(visible_physical_ids())
+    kind = device_kinds.current()
     rows = []
     for physical in range(physical_count()):
         path = lock_dir(node) / f"{physical}.lock"
         held = LEDGER._held.get((node, physical))
+        name, total = kind.npu_name, kind.dram_total
         if held is not None and held.pid == os.getpid():
-            pid, used = held.pid, sum(held.used.values())
+            pid, used = held.pid, held.total()
+            name, total = held.kind.npu_name, held.kind.dram_total
         elif _is_locked(path):
             info = _read_info(path)
             pid, used = info.get("pid"), int(info.get("used", 0))
             pid = pid if isinstance(pid, int) and _pid_alive(pid) else None
+            if info.get("npu"):
+                held_kind = device_kinds.kind_by_name(str(info["npu"]))
+                name, total = held_kind.npu_name, held_kind.dram_total
         else:
             pid, used = None, 0
-        rows.append(
-            DeviceInfo(physical, NPU_NAME, used, DRAM_TOTAL, pid, node, physical in visible)
-        )
+        rows.append(DeviceInfo(physical, name, used, total, pid, node, physical in visible))
     return rows

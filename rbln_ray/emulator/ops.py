@@ -1,9 +1,13 @@
-"""Register ``torch.ops.rbln_custom_ops.*`` (CPU + Meta kernels) the way importing rebel does.
+"""Register the custom ops importing rebel registers (CPU + Meta kernels).
 
-Why: optimum-rbln only *calls* these ops (it never defines them); on a real host the rebel
-package registers them. Names and argument names follow ``decoderonly_architecture.py``,
-which always calls them with keyword arguments, so argument names are the contract.
-Trailing defaulted arguments are not forwarded to Python kernels, hence the defaults here.
+- ``torch.ops.rbln_custom_ops.*``: optimum-rbln's decoder graphs (attention, cache update,
+  linear). optimum only *calls* them; names and argument names follow
+  ``decoderonly_architecture.py``, which always calls them with keyword arguments, so
+  argument names are the contract. Trailing defaulted arguments are not forwarded to
+  Python kernels, hence the defaults here.
+- ``torch.ops.rbln.*``: the sampling ops vllm-rbln's sampler graphs call positionally
+  (``argmax``, ``top_k_top_p``, ``rejection_sample``; kernels and semantics in
+  :mod:`rbln_ray.emulator.sampling`). Their Meta kernels let ``torch.compile`` trace them.
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ import logging
 
 import torch
 
-from rbln_ray.emulator import kernels
+from rbln_ray.emulator import kernels, sampling
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "rbln_custom_ops"
+SAMPLING_NAMESPACE = "rbln"
 _LIB: torch.library.Library | None = None
+_SAMPLING_LIB: torch.library.Library | None = None
 
 _ATTN_TAIL = "Tensor? mask=None, bool? is_bidirectional=None, Tensor? s_aux=None) -> Tensor"
 _ATTN_HEAD = (
@@ -68,9 +74,47 @@ def _cache_update_meta(cache, state, position, axis):
     return torch.empty_like(cache)
 
 
+def _per_row_meta(x, k=None, p=None) -> torch.Tensor:
+    """One int64 token id per row of ``x`` (argmax, top_k_top_p)."""
+    return torch.empty(x.shape[:-1], dtype=torch.int64, device="meta")
+
+
+def _rejection_meta(draft_token_ids, target_probs, cu_num_draft_tokens, top_k=None, top_p=None):
+    batch = cu_num_draft_tokens.shape[0]
+    width = target_probs.shape[0] // max(1, batch)
+    return (
+        torch.empty(batch, width, dtype=torch.int32, device="meta"),
+        torch.empty(batch, dtype=torch.int32, device="meta"),
+    )
+
+
+def _register_sampling() -> None:
+    global _SAMPLING_LIB
+    if _SAMPLING_LIB is not None:
+        return
+    if hasattr(getattr(torch.ops, SAMPLING_NAMESPACE), "top_k_top_p"):
+        logger.debug("%s already registered; not re-registering", SAMPLING_NAMESPACE)
+        return
+    lib = torch.library.Library(SAMPLING_NAMESPACE, "DEF")
+    lib.define("argmax(Tensor logits) -> Tensor")
+    lib.impl("argmax", sampling.argmax, "CPU")
+    lib.impl("argmax", _per_row_meta, "Meta")
+    lib.define("top_k_top_p(Tensor probs, Tensor? k=None, Tensor? p=None) -> Tensor")
+    lib.impl("top_k_top_p", sampling.top_k_top_p, "CPU")
+    lib.impl("top_k_top_p", _per_row_meta, "Meta")
+    lib.define(
+        "rejection_sample(Tensor draft_token_ids, Tensor target_probs, "
+        "Tensor cu_num_draft_tokens, Tensor? top_k=None, Tensor? top_p=None) -> (Tensor, Tensor)"
+    )
+    lib.impl("rejection_sample", sampling.rejection_sample, "CPU")
+    lib.impl("rejection_sample", _rejection_meta, "Meta")
+    _SAMPLING_LIB = lib
+
+
 def register() -> None:
     """Define the ops once per process (idempotent); skip if someone else already did."""
     global _LIB
+    _register_sampling()
     if _LIB is not None:
         return
     if hasattr(torch.ops, NAMESPACE) and hasattr(

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from rbln_ray.emulator import devices, timing
+from rbln_ray.emulator import device_kinds, devices, reports, threads, timing
 from rbln_ray.emulator.compiled_model import RBLNCompiledModel, _dtype
+from rbln_ray.emulator.kv_host import KVHostTransfer, check_blocks, check_slots
 
 logger = logging.getLogger(__name__)
 
@@ -103,11 +104,24 @@ def _devices_for(device: int | Sequence[int] | None, num_devices: int) -> list[i
     return [devices.to_physical(d) for d in logical]
 
 
-class Runtime:
+def _check_npu(cm: RBLNCompiledModel) -> None:
+    """A graph compiled for one NPU family does not run on another (as on hardware)."""
+    here = device_kinds.current()
+    if cm.npu and device_kinds.kind_by_name(cm.npu) != here:
+        raise devices.DeviceError(
+            f"{cm!r} was compiled for {cm.npu} but this node's emulated devices are "
+            f"{here.npu_name} ({device_kinds.KIND_ENV}={here.family.lower()}); recompile for "
+            f"{here.npu_name} or set {device_kinds.KIND_ENV}"
+        )
+
+
+class Runtime(KVHostTransfer):
     """Executes one compiled graph; call as ``rt(*inputs, out=[...])``.
 
     Callers pass the non-KV inputs in ``input_info`` order; the runtime appends its KV
-    buffers (shared with the other graphs of the same load).
+    buffers (shared with the other graphs of the same load). KV block methods:
+    ``_copy_kv_cache`` (on-device copy), and ``_fetch_kv_cache`` / ``_update_kv_cache`` /
+    ``_get_kv_cache_size`` (host transfers, :mod:`rbln_ray.emulator.kv_host`).
     """
 
     def __init__(
@@ -122,6 +136,7 @@ class Runtime:
         if tensor_type != "pt":
             raise NotImplementedError("the emulator only supports tensor_type='pt'")
         self._cm = compiled_model
+        _check_npu(compiled_model)
         physical = _devices_for(device, compiled_model.num_devices)
         node = devices.node_id()
         keys = [(node, p) for p in physical]
@@ -153,6 +168,7 @@ class Runtime:
         return self.run(*inputs, out=out)
 
     def run(self, *inputs: torch.Tensor, out: Any = None) -> Any:
+        entered = time.perf_counter()
         if len(inputs) != self._num_inputs:
             names = [n for n, _, _ in self._cm.input_info]
             raise ValueError(f"expected {self._num_inputs} inputs {names}, got {len(inputs)}")
@@ -166,16 +182,28 @@ class Runtime:
         if self._timing is not None:
             outputs = self._timing.run(self._module, inputs, self._kv, start)
         else:
-            with torch.no_grad():
+            with torch.no_grad(), threads.device_threads():
                 result = self._module(*inputs, *self._kv)
             outputs = list(result) if isinstance(result, (tuple, list)) else [result]
             timing.record_call(start, inputs)
+        computed = time.perf_counter()
         if out is not None:
             targets = out if isinstance(out, (list, tuple)) else [out]
             for target, value in zip(targets, outputs, strict=False):
                 target.copy_(value.reshape(target.shape))
-            return out if isinstance(out, (list, tuple)) and len(out) > 1 else targets[0]
-        return outputs[0] if len(outputs) == 1 else outputs
+            result = out if isinstance(out, (list, tuple)) and len(out) > 1 else targets[0]
+        else:
+            result = outputs[0] if len(outputs) == 1 else outputs
+        if reports.capturing():  # rebel.capture_reports(): one report per call
+            done = time.perf_counter()
+            reports.record(
+                f"graph-{self._cm.graph_id[:8]}",
+                total_s=done - entered,
+                device_s=computed - start,
+                prepare_input_s=start - entered,
+                prepare_output_s=done - computed,
+            )
+        return result
 
     forward = run
 
@@ -191,18 +219,10 @@ class Runtime:
         src, dst, length = int(src_block), int(dst_block), int(length)
         if not self._kv:
             raise RuntimeError(f"{self!r} has no KV cache to copy")
+        op = f"_copy_kv_cache({src}, {dst}, {length})"
         for name, buf in zip(self._cm.kv_shapes, self._kv, strict=True):
-            blocks, slots = buf.shape[0], buf.shape[-2]
-            if not (0 <= src < blocks and 0 <= dst < blocks):
-                raise ValueError(
-                    f"_copy_kv_cache({src}, {dst}, {length}): block ids must be in "
-                    f"[0, {blocks}) for {name}"
-                )
-            if not 0 <= length <= slots:
-                raise ValueError(
-                    f"_copy_kv_cache({src}, {dst}, {length}): length must be in [0, {slots}] "
-                    f"(the KV block size of {name})"
-                )
+            check_blocks(op, name, buf, (src, dst))
+            check_slots(op, name, buf, 0, length)
         start = time.perf_counter()
         if self._timing is not None:
             self._timing.sleep_copy(length, start)

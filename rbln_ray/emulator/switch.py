@@ -29,6 +29,10 @@ SHIM_DIR = str(Path(__file__).resolve().parent / "_shim")
 PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 
 Mode = Literal["auto", "emulated", "rbln"]
+# Submodules of the emulated package, registered under ``rebel.<name>`` too, so that
+# ``import rebel.core.torch_compile`` finds the very module objects ``rebel`` holds (the
+# import system would otherwise load second copies from ``rebel.__path__``).
+SUBMODULES = ("compile_context", "core", "core.torch_compile")
 
 
 class RuntimeSelectionError(RuntimeError):
@@ -79,10 +83,10 @@ def activate(propagate: bool = True) -> None:
             "process; refusing to switch it for the emulator"
         )
     from rbln_ray.emulator import rebel as emulated
-    from rbln_ray.emulator.rebel import compile_context
 
     sys.modules["rebel"] = emulated
-    sys.modules["rebel.compile_context"] = compile_context
+    for name in SUBMODULES:
+        sys.modules[f"rebel.{name}"] = importlib.import_module(f"{emulated.__name__}.{name}")
     if propagate:
         _propagate()
     logger.info("rebel emulator active (%s)", emulated.__version__)

@@ -1,18 +1,19 @@
-"""Emulator *timing mode*: an ATOM latency model, spent sleeping instead of computing.
+"""Emulator *timing mode*: an ATOM/REBEL latency model, spent sleeping instead of computing.
 
 Why: on a 2-core host the emulator can run one or two devices' worth of real compute. For
-replica scaling and capacity planning we need many emulated ATOMs at once with realistic
+replica scaling and capacity planning we need many emulated devices at once with realistic
 device latency, so in timing mode (``RBLN_RAY_EMULATOR_MODE=timing``) a ``rebel.Runtime``
 call does **not** run the graph: it works out the FLOPs and DRAM bytes of the call from the
-model's shape and the call's inputs, converts them to seconds with a roofline model of ATOM
-and sleeps that long (no CPU burnt, the GIL released).
+model's shape and the call's inputs, converts them to seconds with a roofline model of the
+device kind being emulated (ATOM by default, REBEL with ``RBLN_RAY_EMULATED_NPU=rebel``; see
+:mod:`rbln_ray.emulator.device_kinds`) and sleeps that long (no CPU burnt, the GIL released).
 
 **Outputs in timing mode are zeros and the KV cache is never written: generated text is
 garbage by design.** Timing mode exists for throughput/latency measurements only; it is never
 on by default, it logs a warning in every process that enables it, and ``Runtime`` reprs say
 ``timing``. Nothing that checks token correctness may run with it.
 
-The same cost model (:func:`call_cost`) drives ``rbln-ray plan``.
+The same cost model (:func:`call_cost`) drives ``rbln-ray plan`` (``--device atom|rebel``).
 
 Model of one device call (roofline, one compiled graph invocation):
 
@@ -25,20 +26,42 @@ Model of one device call (roofline, one compiled graph invocation):
 - seconds = max(FLOPs / (peak x compute_eff), bytes / (bandwidth x dram_eff)) / tp_eff(N)
   + per-call overhead (+ a per-layer sync cost when the graph spans N > 1 devices).
 
-Parameters (environment, all optional):
+Weights and KV are costed in FP16 (2 bytes); REBEL's FP8 path is not modelled.
 
-=====================================  ==========  ==============================================
-``RBLN_RAY_TIMING_PEAK_TFLOPS``        32          ATOM FP16 peak (published)
-``RBLN_RAY_TIMING_DRAM_GBPS``          256         GDDR6 bandwidth: an assumption, not published
-``RBLN_RAY_TIMING_COMPUTE_EFF``        0.6         achieved fraction of peak FLOPs
-``RBLN_RAY_TIMING_DRAM_EFF``           0.8         achieved fraction of DRAM bandwidth
-``RBLN_RAY_TIMING_CALL_US``            100         fixed cost per runtime call (launch, sync)
-``RBLN_RAY_TIMING_TP_EFF``             0.85        efficiency of a shard group of N > 1 devices
-``RBLN_RAY_TIMING_SYNC_US``            10          per-layer cross-device sync cost when N > 1
-``RBLN_RAY_TIMING_SHAPE``              (graph's)   model the latency of a preset (e.g.
-                                                   ``llama-3-8b``) or a JSON shape instead of
-                                                   the compiled graph's own config
-=====================================  ==========  ==============================================
+Device parameters (published where marked; every other figure is an assumption):
+
+=========================  ======================  ======================================
+parameter                  ATOM (RBLN-CA25)        REBEL-Quad (RBLN-CR13)
+=========================  ======================  ======================================
+peak FLOPS (FP16)          32 T (published)        1 P (reported from Rebellions' ISSCC
+                                                   2026 paper: 2 PFLOPS FP8 / 1 PFLOPS
+                                                   FP16 dense; not on the product page)
+DRAM bandwidth             256 GB/s (assumption:   2.7 TB/s (published: "effective
+                           GDDR6, unpublished)     bandwidth with software-tuned DMA")
+compute efficiency         0.6 (assumption)        0.6 (assumption)
+DRAM efficiency            0.8 (assumption)        1.0 (assumption: the published figure
+                                                   is already an effective bandwidth)
+per-call overhead          100 us (assumption)     100 us (assumption)
+shard-group efficiency     0.85 (assumption)       0.85 (assumption)
+per-layer sync, N > 1      10 us (assumption)      10 us (assumption)
+usable DRAM                16 GiB - 288 MiB        4 x (36 GiB - 1 GiB) = 140 GiB
+                           (optimum-rbln)          (optimum-rbln; 144 GB HBM3E published)
+=========================  ======================  ======================================
+
+Overrides (environment, all optional; they apply to whichever kind is emulated):
+
+=====================================  ==============================================
+``RBLN_RAY_TIMING_PEAK_TFLOPS``        peak FP16 TFLOPS
+``RBLN_RAY_TIMING_DRAM_GBPS``          DRAM bandwidth, GB/s
+``RBLN_RAY_TIMING_COMPUTE_EFF``        achieved fraction of peak FLOPs
+``RBLN_RAY_TIMING_DRAM_EFF``           achieved fraction of DRAM bandwidth
+``RBLN_RAY_TIMING_CALL_US``            fixed cost per runtime call (launch, sync)
+``RBLN_RAY_TIMING_TP_EFF``             efficiency of a shard group of N > 1 devices
+``RBLN_RAY_TIMING_SYNC_US``            per-layer cross-device sync cost when N > 1
+``RBLN_RAY_TIMING_SHAPE``              model the latency of a preset (e.g.
+                                       ``llama-3-8b``) or a JSON shape instead of
+                                       the compiled graph's own config
+=====================================  ==============================================
 """
 
 from __future__ import annotations
@@ -49,21 +72,23 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from rbln_ray.emulator import device_kinds
 
 logger = logging.getLogger(__name__)
 
 MODE_ENV = "RBLN_RAY_EMULATOR_MODE"
 SHAPE_ENV = "RBLN_RAY_TIMING_SHAPE"
-DEVICE_DRAM_BYTES = 16 * 2**30 - 288 * 2**20  # ATOM: 16 GiB minus 288 MiB reserved
+DEVICE_DRAM_BYTES = device_kinds.ATOM.budget  # ATOM's usable DRAM (the default device)
 
 
 # ----------------------------------------------------------------------------- parameters
 @dataclass(frozen=True)
-class AtomSpec:
-    """One ATOM device, as the timing model sees it."""
+class DeviceSpec:
+    """One device, as the timing model sees it (defaults: ATOM; see the module table)."""
 
     peak_flops: float = 32e12
     dram_bytes_per_s: float = 256e9
@@ -73,17 +98,20 @@ class AtomSpec:
     tp_eff: float = 0.85
     sync_per_layer_s: float = 10e-6
     dram_capacity: int = DEVICE_DRAM_BYTES
+    name: str = device_kinds.ATOM.family
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> AtomSpec:
+    def from_env(cls, environ: dict[str, str] | None = None, kind: str | None = None) -> DeviceSpec:
+        """The spec of ``kind`` (default: the emulated kind) with the env overrides applied."""
         env = os.environ if environ is None else environ
-        base = cls()
+        base = spec_for(kind or device_kinds.current().family)
 
         def get(name: str, default: float, scale: float = 1.0) -> float:
             raw = env.get(name)
             return float(raw) * scale if raw not in (None, "") else default
 
-        return cls(
+        return replace(
+            base,
             peak_flops=get("RBLN_RAY_TIMING_PEAK_TFLOPS", base.peak_flops, 1e12),
             dram_bytes_per_s=get("RBLN_RAY_TIMING_DRAM_GBPS", base.dram_bytes_per_s, 1e9),
             compute_eff=get("RBLN_RAY_TIMING_COMPUTE_EFF", base.compute_eff),
@@ -95,6 +123,25 @@ class AtomSpec:
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+# Kept for callers written before REBEL: the class is the same, its defaults are ATOM's.
+AtomSpec = DeviceSpec
+
+ATOM_SPEC = DeviceSpec()
+REBEL_SPEC = DeviceSpec(
+    peak_flops=1e15,
+    dram_bytes_per_s=2.7e12,
+    dram_eff=1.0,
+    dram_capacity=device_kinds.REBEL.budget,
+    name=device_kinds.REBEL.family,
+)
+SPECS = {"atom": ATOM_SPEC, "rebel": REBEL_SPEC}
+
+
+def spec_for(kind: str) -> DeviceSpec:
+    """The timing parameters of a device kind (``atom``/``rebel`` or an NPU name)."""
+    return SPECS[device_kinds.kind_by_name(kind).family.lower()]
 
 
 @dataclass(frozen=True)
@@ -218,11 +265,11 @@ def call_cost(
     shape: ModelShape,
     rows: list[Row],
     logit_rows: int,
-    spec: AtomSpec | None = None,
+    spec: DeviceSpec | None = None,
     num_devices: int = 1,
 ) -> CallCost:
     """Device time of one compiled-graph call (see the module docstring for the formula)."""
-    spec = spec or AtomSpec()
+    spec = spec or DeviceSpec()
     n = max(1, int(num_devices))
     L, H = shape.num_layers, shape.hidden_size  # noqa: N806 - the usual symbols
     tokens = sum(r.new for r in rows)
@@ -268,7 +315,11 @@ def call_cost(
 
 
 def decode_cost(
-    shape: ModelShape, batch: int, context: int, spec: AtomSpec | None = None, num_devices: int = 1
+    shape: ModelShape,
+    batch: int,
+    context: int,
+    spec: DeviceSpec | None = None,
+    num_devices: int = 1,
 ) -> CallCost:
     """One decode step of ``batch`` rows, each with ``context`` tokens already cached."""
     return call_cost(shape, [Row(1, context)] * batch, batch, spec, num_devices)
@@ -278,7 +329,7 @@ def prefill_cost(
     shape: ModelShape,
     prompt_len: int,
     chunk: int = 128,
-    spec: AtomSpec | None = None,
+    spec: DeviceSpec | None = None,
     num_devices: int = 1,
 ) -> float:
     """Seconds to prefill one prompt in static ``chunk``-token calls (the last one padded)."""
@@ -289,10 +340,10 @@ def prefill_cost(
     return total
 
 
-def copy_cost(shape: ModelShape, tokens: int, spec: AtomSpec | None = None) -> float:
+def copy_cost(shape: ModelShape, tokens: int, spec: DeviceSpec | None = None) -> float:
     """Seconds for an on-device KV copy of ``tokens`` slots (every layer's K and V): the
     bytes are read once and written once at DRAM bandwidth, plus one call's fixed cost."""
-    spec = spec or AtomSpec()
+    spec = spec or DeviceSpec()
     nbytes = 2.0 * tokens * shape.kv_bytes_per_token
     return nbytes / (spec.dram_bytes_per_s * spec.dram_eff) + spec.call_overhead_s
 
@@ -310,7 +361,7 @@ def timing_enabled() -> bool:
     if value == "timing" and not _WARNED:
         _WARNED = True
         logger.warning(
-            "rebel emulator in TIMING mode: device calls sleep the modelled ATOM latency and "
+            "rebel emulator in TIMING mode: device calls sleep the modelled device latency and "
             "return zeros; generated tokens are NOT the model's output"
         )
     return value == "timing"
@@ -349,10 +400,13 @@ class Recorder:
             self.total_calls, self.total_seconds, self.total_modelled = 0, 0.0, 0.0
 
     def snapshot(self) -> dict[str, Any]:
+        import torch
+
         with self._lock:
             return {
                 "pid": os.getpid(),
                 "mode": "timing" if timing_enabled() else "compute",
+                "torch_threads": torch.get_num_threads(),  # what compute-mode calls ran on
                 "total_calls": self.total_calls,
                 "total_seconds": self.total_seconds,
                 "total_modelled_seconds": self.total_modelled,
@@ -378,7 +432,7 @@ class GraphTiming:
     """Timing-mode behaviour of one emulated runtime: cost per call, zero outputs."""
 
     def __init__(self, cm: Any) -> None:
-        self.spec = AtomSpec.from_env()
+        self.spec = DeviceSpec.from_env()
         self.shape = graph_shape(cm)
         self.num_devices = int(getattr(cm, "num_devices", 1) or 1)
         names = [name for name, _, _ in cm.input_info]

@@ -1,4 +1,5 @@
-"""Capacity planning: ATOM cards, shard groups and replicas for a model and a request rate.
+"""Capacity planning: RBLN cards (ATOM or REBEL), shard groups and replicas for a model and
+a request rate.
 
 Uses the emulator's timing model (:mod:`rbln_ray.emulator.timing`) so a plan and a
 timing-mode benchmark agree by construction. The serving model is rbln-ray's: one prefill per
@@ -6,7 +7,8 @@ step, never mixed with decode, decode steps over a static compiled batch.
 
 For each shard-group size N (devices per worker: tensor parallel inside a node) and compiled
 batch B that fit one device's DRAM (weights/N + KV(B x max_seq_len)/N + a program/activation
-reserve <= 16 GiB - 288 MiB), one replica saturated with requests of ``input_len`` prompt and
+reserve <= the device's usable DRAM: ATOM 16 GiB - 288 MiB, REBEL 140 GiB; the spec's
+``dram_capacity``), one replica saturated with requests of ``input_len`` prompt and
 ``output_len`` generated tokens serves::
 
     R(N, B) = B / (B x T_prefill(input_len) + (output_len - 1) x T_decode(B, mean context))
@@ -23,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rbln_ray.emulator.timing import (
-    AtomSpec,
+    DeviceSpec,
     ModelShape,
     Row,
     call_cost,
@@ -106,10 +108,17 @@ class Plan:
         }
 
 
-def memory_per_device(shape: ModelShape, n: int, batch: int, seq_len: int, limits: Limits):
+def memory_per_device(
+    shape: ModelShape,
+    n: int,
+    batch: int,
+    seq_len: int,
+    limits: Limits,
+    spec: DeviceSpec | None = None,
+):
     weights = shape.weight_bytes_total / n
     kv = batch * seq_len * shape.kv_bytes_per_token / n
-    free = AtomSpec().dram_capacity - limits.reserve_bytes - weights - kv
+    free = (spec or DeviceSpec()).dram_capacity - limits.reserve_bytes - weights - kv
     return weights, kv, free
 
 
@@ -118,10 +127,10 @@ def evaluate(
     work: Workload,
     n: int,
     batch: int,
-    spec: AtomSpec,
+    spec: DeviceSpec,
     limits: Limits,
 ) -> Option:
-    weights, kv, free = memory_per_device(shape, n, batch, work.seq_len, limits)
+    weights, kv, free = memory_per_device(shape, n, batch, work.seq_len, limits, spec)
     opt = Option(
         devices_per_worker=n,
         batch=batch,
@@ -171,10 +180,10 @@ def evaluate(
 def plan(
     shape: ModelShape,
     work: Workload,
-    spec: AtomSpec | None = None,
+    spec: DeviceSpec | None = None,
     limits: Limits | None = None,
 ) -> Plan:
-    spec = spec or AtomSpec()
+    spec = spec or DeviceSpec()
     limits = limits or Limits()
     options = [
         evaluate(shape, work, n, b, spec, limits)
@@ -189,7 +198,7 @@ def plan(
         spec=spec.as_dict(),
         limits=asdict(limits),
         chosen=chosen,
-        bounds=explain(shape, work, chosen, options, limits),
+        bounds=explain(shape, work, chosen, options, limits, spec),
         options=options,
     )
 
@@ -200,6 +209,7 @@ def explain(
     chosen: Option | None,
     options: list[Option],
     limits: Limits,
+    spec: DeviceSpec | None = None,
 ) -> dict[str, str]:
     """Plain words for what limits each choice."""
     if chosen is None:
@@ -214,7 +224,7 @@ def explain(
         )
         return {"plan": "every configuration that fits memory is rejected: " + "; ".join(reasons)}
     n, b = chosen.devices_per_worker, chosen.batch
-    budget = (AtomSpec().dram_capacity - limits.reserve_bytes) / GiB
+    budget = ((spec or DeviceSpec()).dram_capacity - limits.reserve_bytes) / GiB
     min_n = min((o.devices_per_worker for o in options if o.fits), default=n)
     if n == min_n and n > 1:
         shard = (

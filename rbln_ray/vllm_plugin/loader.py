@@ -1,7 +1,8 @@
 """Model loading: compiled directory → optimum-rbln model on the pinned RBLN devices.
 
 An uncompiled Hugging Face directory is compiled on first use into a cache keyed by a hash
-of its contents and the compile settings, then reused, so a restart never recompiles.
+of its contents, the compile settings and the target NPU (an ATOM artifact does not run on
+REBEL), then reused, so a restart never recompiles.
 """
 
 from __future__ import annotations
@@ -105,6 +106,18 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def target_npu() -> str:
+    """The NPU a compile in this process targets: what ``rebel.get_npu_name(0)`` reports
+    (optimum-rbln compiles for it), ``"none"`` without a runtime."""
+    from rbln_ray.emulator import ensure_runtime
+
+    if ensure_runtime() == "none":
+        return "none"
+    import rebel
+
+    return rebel.get_npu_name(0) or "unknown"
+
+
 def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = None) -> Path:
     """The compiled artifact for ``model``: itself if compiled, else a cached compile of it."""
     model_dir = Path(model)
@@ -127,7 +140,9 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
             }
         )
     key = hashlib.sha256(
-        (content_hash(model_dir) + json.dumps(asdict(settings), sort_keys=True)).encode()
+        (
+            content_hash(model_dir) + json.dumps(asdict(settings), sort_keys=True) + target_npu()
+        ).encode()
     ).hexdigest()[:16]
     out = cache_dir() / "compiled" / f"{model_dir.name}-{key}"
     with _file_lock(out.with_name(out.name + ".lock")):

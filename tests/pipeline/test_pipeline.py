@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import count_refills, hf_greedy
+from tests.conftest import EIGHT_PROMPTS, count_refills, hf_greedy
 from tests.ray_cluster import ENGINE_ENV, multinode_cluster, run_engine_script
 from tests.ray_cluster import wait_all_rbln_free as wait_rbln
-from tests.vllm_plugin.test_llm_greedy import EIGHT_PROMPTS
 
 SCRIPT = Path(__file__).with_name("pipeline_script.py")
 DEVICES_PER_NODE = 2

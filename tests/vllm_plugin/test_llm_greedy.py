@@ -8,27 +8,16 @@ import random
 import pytest
 
 from rbln_ray.models import build_tiny_model
-from tests.conftest import compiled_model, count_refills, hf_greedy, run_script
+from tests.conftest import (
+    EIGHT_PROMPTS,
+    compiled_model,
+    count_refills,
+    greedy_request,
+    hf_greedy,
+    run_script,
+)
 
 pytestmark = pytest.mark.slow
-
-EIGHT_PROMPTS = [
-    [5],
-    [100, 200, 300, 400, 500, 600, 700],
-    list(range(1000, 1037)),
-    [7] * 130,  # crosses a 128-token prefill chunk
-    [9, 8, 7],
-    [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
-    [3000 + i for i in range(60)],
-    [42, 4095, 1, 2],
-]
-
-
-def greedy_request(prompt: list[int], max_tokens: int) -> dict:
-    return {
-        "prompt_token_ids": prompt,
-        "params": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True},
-    }
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,11 @@
-"""The emulated ``rebel`` package: the subset of Rebellions' runtime API optimum-rbln uses.
+"""The emulated ``rebel`` package: the subset of Rebellions' runtime API that optimum-rbln
+0.12.0 and vllm-rbln 0.12.0 (its optimum path) use.
 
-Installed as ``sys.modules["rebel"]`` by :func:`rbln_ray.emulator.activate`; never imported
-under that name otherwise, so a real ``rebel`` is never shadowed by accident.
+Installed as ``sys.modules["rebel"]`` by :func:`rbln_ray.emulator.activate`, with its
+submodules (``rebel.compile_context``, ``rebel.core``, ``rebel.core.torch_compile``); never
+imported under that name otherwise, so a real ``rebel`` is never shadowed by accident.
+``tests/emulator/test_rebel_contract.py`` scans both packages for every ``rebel`` name they
+use and fails naming any this package lacks (with an explicit, reasoned exclusion list).
 """
 
 from __future__ import annotations
@@ -11,11 +15,13 @@ from typing import Any
 
 import torch
 
-from rbln_ray.emulator import devices, ops
+from rbln_ray.emulator import device_kinds, devices, ops
 from rbln_ray.emulator.compiled_model import CompileGroup, RBLNCompiledModel
-from rbln_ray.emulator.rebel import compile_context
+from rbln_ray.emulator.rebel import compile_context, core
 from rbln_ray.emulator.rebel.compile_context import CompileContext
+from rbln_ray.emulator.reports import capture_reports
 from rbln_ray.emulator.runtime import Runtime
+from rbln_ray.emulator.sampling import manual_seed
 
 __version__ = "0.12.0+emulated"
 __rbln_ray_emulated__ = True
@@ -82,8 +88,9 @@ def npu_is_available(device: int = 0) -> bool:
 
 
 def get_npu_name(device: int = 0) -> str | None:
-    """``RBLN-CA25`` for a visible device, ``None`` otherwise."""
-    return devices.NPU_NAME if npu_is_available(device) else None
+    """The NPU name of a visible device (``RBLN-CA25``, or ``RBLN-CR13`` when emulating
+    REBEL: ``RBLN_RAY_EMULATED_NPU``), ``None`` otherwise."""
+    return device_kinds.current().npu_name if npu_is_available(device) else None
 
 
 __all__ = [
@@ -91,10 +98,13 @@ __all__ = [
     "RBLNCompiledModel",
     "RBLNRuntimeError",
     "Runtime",
+    "capture_reports",
     "compile",
     "compile_context",
     "compile_from_torch",
+    "core",
     "device_count",
     "get_npu_name",
+    "manual_seed",
     "npu_is_available",
 ]

@@ -1,0 +1,210 @@
+"""rbln-ray vs Rebellions' own vLLM plugin (vllm-rbln 0.12.0), side by side on one artifact.
+
+Both plugins serve the same directory compiled by rbln-ray's compile path (the code behind
+``rbln-ray compile``) through ``vllm.LLM`` with each plugin's defaults, on the same emulated
+devices, with the same token-id prompts. vllm-rbln runs in its side environment
+(``make peer-env``; see benchmarks/peer_env.py), rbln-ray in the project venv; every run is
+a fresh process per plugin, the order alternates run to run, and the figures are medians.
+
+Workloads (output tok/s, greedy, ignore_eos):
+
+- ``mixed``: 32 prompts, 64 tokens in, 64 out;
+- ``shared_prefix``: 8 prompts sharing a 260-token prefix (+ 8 own tokens), 64 out; prefix
+  caching turns the shared part into on-device KV copies (``kv_copies`` in the results).
+
+Modes: ``compute`` (the emulator does the real math on the CPU; token-correct) and
+``timing`` (device calls sleep the modelled ATOM latency of llama-3-8b, ``--timing-shape``,
+as the other modelled benchmarks; rbln_ray.emulator.timing; outputs are garbage, the host work
+of each plugin is real). The emulated device computes with the same
+number of threads under both (``--threads`` -> ``RBLN_RAY_EMULATOR_THREADS``, default 1);
+host-side threads stay each plugin's own choice (vllm-rbln sets max(2, cpus // 2) itself).
+
+    python -m benchmarks.peer_vllm_rbln            # full: 5 runs, both modes
+    python -m benchmarks.peer_vllm_rbln --quick    # smoke: smaller workloads, 2 runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+from benchmarks.peer_env import peer_env, peer_python
+
+PLUGINS = ("rbln-ray", "vllm-rbln")
+GOAL = 1.2  # rbln-ray / vllm-rbln output tok/s on each workload (issue 17)
+
+
+def workloads(args: argparse.Namespace, vocab: int) -> tuple[dict[str, Any], list[list[int]]]:
+    """The measured workloads and a warm-up that shares no prefix with them."""
+    rng = random.Random(17)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(10, vocab - 10) for _ in range(n)]
+
+    shared = ids(args.shared_len)
+    return (
+        {
+            "mixed": {
+                "prompts": [ids(args.input_len) for _ in range(args.num_prompts)],
+                "output_len": args.output_len,
+            },
+            "shared_prefix": {
+                "prompts": [shared + ids(8) for _ in range(args.shared_prompts)],
+                "output_len": args.output_len,
+            },
+        },
+        [ids(16) for _ in range(2)],
+    )
+
+
+def run_plugin(plugin: str, spec: dict, mode: str, threads: int, shape: str) -> dict:
+    extra = {
+        "RBLN_RAY_DEVICE": "emulated",
+        "RBLN_RAY_EMULATOR_MODE": mode,
+        "RBLN_RAY_NODE_ID": f"peer-bench-{uuid.uuid4().hex[:8]}",  # private emulated devices
+        "RBLN_RAY_EMULATOR_THREADS": str(threads),
+    }
+    if shape:
+        extra["RBLN_RAY_TIMING_SHAPE"] = shape
+    if plugin == "rbln-ray":
+        env, python = common.base_env(**extra), common.PYTHON
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in [str(common.ROOT), env.get("PYTHONPATH", "")] if p
+        )
+    else:
+        env, python = peer_env(**extra), str(peer_python())
+    return common.run_json("peer_engine_run.py", spec, env, timeout=3600, python=python)
+
+
+def commit() -> str:
+    def git(*a: str) -> str:
+        return subprocess.run(
+            ["git", *a], cwd=common.ROOT, capture_output=True, text=True
+        ).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain") else "")
+
+
+def summarise(runs: dict[str, dict[str, list[dict]]]) -> dict[str, Any]:
+    """Medians per plugin and workload, and rbln-ray / vllm-rbln."""
+    out: dict[str, Any] = {}
+    for workload in runs["rbln-ray"]:
+        med = {
+            plugin: statistics.median(r["output_tok_per_s"] for r in runs[plugin][workload])
+            for plugin in PLUGINS
+        }
+        ratio = med["rbln-ray"] / med["vllm-rbln"]
+        out[workload] = {
+            "median_output_tok_per_s": med,
+            "ratio_rbln_ray_over_vllm_rbln": ratio,
+            "goal": GOAL,
+            "goal_met": ratio >= GOAL,
+            "kv_copies": {p: [r["kv_copies"] for r in runs[p][workload]] for p in PLUGINS},
+        }
+    return out
+
+
+def plot(results: dict[str, Any], quick: bool) -> Path:
+    plt = common.pyplot()
+    modes = list(results)
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.2), squeeze=False)
+    colors = {"rbln-ray": "#1f77b4", "vllm-rbln": "#d62728"}
+    for ax, mode in zip(axes[0], modes, strict=True):
+        summary, runs = results[mode]["summary"], results[mode]["runs"]
+        names = list(summary)
+        for j, plugin in enumerate(PLUGINS):
+            xs = [i + (j - 0.5) * 0.38 for i in range(len(names))]
+            meds = [summary[n]["median_output_tok_per_s"][plugin] for n in names]
+            bars = ax.bar(xs, meds, 0.36, label=plugin, color=colors[plugin])
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+            for x, n in zip(xs, names, strict=True):
+                pts = [r["output_tok_per_s"] for r in runs[plugin][n]]
+                ax.plot([x] * len(pts), pts, "k.", markersize=4)
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(
+            [f"{n}\nx{summary[n]['ratio_rbln_ray_over_vllm_rbln']:.2f}" for n in names]
+        )
+        ax.set_ylabel("output tokens/s (median; dots = runs)")
+        ax.set_title(f"{mode} mode" + (" (quick)" if quick else ""))
+        ax.legend(fontsize=8)
+    fig.suptitle("rbln-ray vs vllm-rbln 0.12.0, same artifact and prompts (xN = rbln-ray/peer)")
+    fig.tight_layout()
+    path = common.plot_path("peer_vllm_rbln", quick)
+    fig.savefig(path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smaller workloads, 2 runs")
+    p.add_argument("--model", help="HF model dir (default: the demo model); head_dim >= 32")
+    p.add_argument("--batch", type=int, default=4, help="compiled batch")
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--runs", type=int, default=5, help="fresh engine runs per plugin and mode")
+    p.add_argument("--modes", default="compute,timing")
+    p.add_argument("--threads", type=int, default=1, help="emulated device compute threads")
+    p.add_argument(
+        "--timing-shape",
+        default="llama-3-8b",
+        help="timing mode: model this preset's latency ('' = the graph's own tiny shape)",
+    )
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--shared-prompts", type=int, default=8)
+    p.add_argument("--shared-len", type=int, default=260)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.runs, args.num_prompts, args.output_len, args.shared_prompts = 2, 8, 16, 4
+    peer_python()  # fail early, naming `make peer-env`, if the side env is missing
+
+    if args.model:
+        hf_dir = Path(args.model)
+        compiled = common.compiled_artifact(hf_dir, args.batch, args.max_seq_len)
+    else:
+        hf_dir, compiled = common.compiled_demo(args.batch, args.max_seq_len)
+    loads, warmup = workloads(args, common.vocab_of(hf_dir))
+
+    results: dict[str, Any] = {}
+    for mode in args.modes.split(","):
+        runs: dict[str, dict[str, list[dict]]] = {p: {w: [] for w in loads} for p in PLUGINS}
+        engines: dict[str, list[dict]] = {p: [] for p in PLUGINS}
+        for i in range(args.runs):
+            for plugin in PLUGINS if i % 2 == 0 else PLUGINS[::-1]:
+                print(f"== {mode} run {i + 1}/{args.runs}: {plugin}", flush=True)
+                spec = {"model": str(compiled), "warmup": warmup, "workloads": loads}
+                out = run_plugin(plugin, spec, mode, args.threads, args.timing_shape)
+                for name, w in out.pop("workloads").items():
+                    runs[plugin][name].append(w)
+                    print(f"   {name}: {w['output_tok_per_s']:.1f} output tok/s", flush=True)
+                engines[plugin].append(out)
+        results[mode] = {"summary": summarise(runs), "runs": runs, "engines": engines}
+
+    settings = {
+        **{k: v for k, v in vars(args).items() if k != "model"},
+        "model": str(hf_dir),
+        "compiled": str(compiled),
+        "commit": commit(),
+    }
+    common.save("peer_vllm_rbln", {"settings": settings, "results": results}, args.quick)
+    print(f"plot: {plot(results, args.quick)}")
+    for mode, r in results.items():
+        for name, s in r["summary"].items():
+            med = s["median_output_tok_per_s"]
+            print(
+                f"{mode:>8} {name:>14}: rbln-ray {med['rbln-ray']:8.1f}  vllm-rbln "
+                f"{med['vllm-rbln']:8.1f} tok/s  x{s['ratio_rbln_ray_over_vllm_rbln']:.2f} "
+                f"(goal x{GOAL}: {'met' if s['goal_met'] else 'not met'})"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
