@@ -267,9 +267,15 @@ def call_cost(
     logit_rows: int,
     spec: DeviceSpec | None = None,
     num_devices: int = 1,
+    lm_head: bool = True,
 ) -> CallCost:
-    """Device time of one compiled-graph call (see the module docstring for the formula)."""
+    """Device time of one compiled-graph call (see the module docstring for the formula).
+
+    ``lm_head=False``: a pipeline stage before the last, which neither reads the LM head's
+    weights nor computes logits (``logit_rows`` is then ignored).
+    """
     spec = spec or DeviceSpec()
+    logit_rows = logit_rows if lm_head else 0
     n = max(1, int(num_devices))
     L, H = shape.num_layers, shape.hidden_size  # noqa: N806 - the usual symbols
     tokens = sum(r.new for r in rows)
@@ -281,7 +287,9 @@ def call_cost(
     flops = flops_linear + flops_head + flops_attn
 
     per_token_kv = shape.kv_bytes_per_token
-    weights = (L * shape.layer_params + shape.vocab_size * H) * shape.weight_bytes
+    weights = (L * shape.layer_params + (shape.vocab_size * H if lm_head else 0)) * (
+        shape.weight_bytes
+    )
     kv_read = per_token_kv * sum(r.start for r in rows)
     kv_write = per_token_kv * tokens
     act = L * tokens * (6 * H + 2 * shape.intermediate_size) * 2 + logit_rows * shape.vocab_size * 4
@@ -433,7 +441,13 @@ class GraphTiming:
 
     def __init__(self, cm: Any) -> None:
         self.spec = DeviceSpec.from_env()
-        self.shape = graph_shape(cm)
+        self.shape, self.lm_head = graph_shape(cm), True
+        stage = pipeline_stage(cm)
+        if stage is not None:  # a pipeline stage: its share of the layers, maybe no LM head
+            share, self.lm_head = stage
+            self.shape = replace(
+                self.shape, num_layers=max(1, round(self.shape.num_layers * share))
+            )
         self.num_devices = int(getattr(cm, "num_devices", 1) or 1)
         names = [name for name, _, _ in cm.input_info]
         self._pos_index = names.index("cache_position") if "cache_position" in names else None
@@ -452,7 +466,9 @@ class GraphTiming:
 
     def cost(self, inputs: tuple[Any, ...]) -> CallCost:
         rows, logit_rows, _ = self.rows(inputs)
-        return call_cost(self.shape, rows, logit_rows, self.spec, self.num_devices)
+        return call_cost(
+            self.shape, rows, logit_rows, self.spec, self.num_devices, lm_head=self.lm_head
+        )
 
     def run(self, module: Any, inputs: tuple[Any, ...], kv: list[Any], start: float) -> list[Any]:
         """One timing-mode call: zero outputs after sleeping the modelled latency."""
@@ -510,15 +526,35 @@ def _output_specs(module: Any, inputs: tuple[Any, ...], kv: list[Any]):
     return [(tuple(o.shape), o.dtype) for o in outs]
 
 
+PIPELINE_MANIFEST = "rbln_pipeline.json"  # a staged artifact (rbln_ray.pipeline) has one
+
+
+def pipeline_stage(cm: Any) -> tuple[float, bool] | None:
+    """(share of the model's layers, has the LM head) when ``cm`` is one stage's graph of a
+    staged artifact (``<dir>/stage_<i>/*.rbln`` beside ``<dir>/rbln_pipeline.json``)."""
+    path = getattr(cm, "path", None)
+    if path is None or not (Path(path).parents[1] / PIPELINE_MANIFEST).is_file():
+        return None
+    manifest = json.loads((Path(path).parents[1] / PIPELINE_MANIFEST).read_text())
+    stage_dir = Path(path).parent.name
+    for stage in manifest["stages"]:
+        if stage["subdir"] == stage_dir:
+            layers = stage["layer_end"] - stage["layer_start"]
+            return layers / manifest["num_hidden_layers"], bool(stage["has_lm_head"])
+    return None
+
+
 def graph_shape(cm: Any) -> ModelShape:
-    """The shape to model: ``RBLN_RAY_TIMING_SHAPE``, else the compiled dir's config.json."""
+    """The shape to model: ``RBLN_RAY_TIMING_SHAPE``, else the compiled dir's config.json
+    (a pipeline stage's graphs find it one directory up)."""
     override = os.environ.get(SHAPE_ENV, "").strip()
     if override:
         return shape_from_spec(override)
     path = getattr(cm, "path", None)
-    if path is not None and (Path(path).parent / "config.json").is_file():
-        cfg = json.loads((Path(path).parent / "config.json").read_text())
-        return ModelShape.from_hf_config(cfg, name=Path(path).parent.name)
+    for directory in (Path(path).parent, Path(path).parents[1]) if path is not None else ():
+        if (directory / "config.json").is_file():
+            cfg = json.loads((directory / "config.json").read_text())
+            return ModelShape.from_hf_config(cfg, name=directory.name)
     for module in cm.module.modules():
         cfg = getattr(module, "config", None)
         if cfg is not None and hasattr(cfg, "num_hidden_layers"):

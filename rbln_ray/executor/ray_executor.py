@@ -100,7 +100,7 @@ class RBLNRayExecutor(Executor):
     """Runs one ``RBLNWorker`` per placement-group bundle, each a Ray actor on RBLN devices."""
 
     uses_ray: bool = True
-    supports_pp: bool = False
+    supports_pp: bool = True  # one worker per pipeline rank (compiled stage)
 
     @classmethod
     def supports_async_scheduling(cls) -> bool:
@@ -132,10 +132,6 @@ class RBLNRayExecutor(Executor):
             self._start_monitor()
             self.collective_rpc("init_device")
             self.collective_rpc("load_model")
-            if len(self._workers) > 1:
-                # Pipeline stages: stage 0 coordinates and calls stages 1..S-1 directly.
-                peers = [w.actor for w in self._workers[1:]]
-                self._rpc_driver_worker("set_pipeline_peers", (peers,))
         except BaseException:
             self.shutdown()
             raise
@@ -216,24 +212,16 @@ class RBLNRayExecutor(Executor):
         values = self._wait(refs, timeout)
         return values[0] if single_value else values
 
-    def _rpc_driver_worker(self, method: str, args: tuple = (), non_block: bool = False) -> Any:
-        """Call rank 0 only: the one worker that holds vLLM's request state and samples
-        (the only worker with S = 1; the coordinating stage 0 of a pipeline)."""
-        self._raise_if_failed()
-        refs = [self._workers[0].actor.execute_method.remote(method, *args)]
-        if non_block:
-            return _RefsFuture(self, refs, True)
-        return self._wait(refs, None)[0]
-
     def execute_model(  # type: ignore[override]
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
         """Hold the step until :meth:`sample_tokens` brings its grammar bitmask, then send
         both in one call: vLLM's engine always follows a step's ``execute_model`` with
         ``sample_tokens`` (at once, or after the previous step's output for deferred
-        structured output), and one actor round trip per step is what the host pays."""
+        structured output), and one actor round trip per step is what the host pays. A step
+        with nothing scheduled (it only retires finished requests) goes at once."""
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return self._rpc_driver_worker("execute_model", (scheduler_output,), non_block)
+            return self._run_step(scheduler_output, None, non_block)
         self._raise_if_failed()
         self._held_step = scheduler_output
         if not non_block:
@@ -247,19 +235,26 @@ class RBLNRayExecutor(Executor):
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         step, self._held_step = self._held_step, None
         if step is None:
-            return self._rpc_driver_worker("sample_tokens", (grammar_output,), non_block)
-        return self._rpc_driver_worker("execute_and_sample", (step, grammar_output), non_block)
+            raise RuntimeError("sample_tokens without a step: execute_model must come first")
+        return self._run_step(step, grammar_output, non_block)
 
-    # vLLM sizes one KV cache for the engine: with pipeline stages that is the coordinating
-    # worker's nominal spec (every stage holds the same block count for its own layers).
-    def determine_available_memory(self) -> list[int]:
-        return [self._rpc_driver_worker("determine_available_memory")]
-
-    def get_kv_cache_specs(self) -> list[dict[str, Any]]:
-        return [self._rpc_driver_worker("get_kv_cache_spec")]
-
-    def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
-        self._rpc_driver_worker("initialize_from_config", (kv_cache_configs,))
+    def _run_step(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None, non_block
+    ) -> Any:
+        """Send one step through every pipeline rank in order: each rank's output ref is the
+        next rank's input, so Ray moves hidden states worker to worker; the engine waits
+        only for the last rank's (sampled) output. With S ranks and vLLM's batch queue of S,
+        every stage works on its own micro-batch at once."""
+        self._raise_if_failed()
+        step = scheduler_output if len(self._workers) == 1 else ray.put(scheduler_output)
+        hidden = None
+        for worker in self._workers:
+            hidden = worker.actor.execute_method.remote(
+                "execute_stage", step, grammar_output, hidden
+            )
+        if non_block:
+            return _RefsFuture(self, [hidden], True)
+        return self._wait([hidden], None)[0]
 
     def _wait(self, refs: list[Any], timeout: float | None) -> list[Any]:
         """``ray.get`` that raises at once when any worker fails or the executor is failed."""

@@ -89,13 +89,15 @@ def compile_pipeline(
     kvcache_partition_len: int | None = None,
     decoder_batch_sizes: list[int] | tuple[int, ...] | None = None,
     num_devices: int = 1,
+    micro_batches: int | None = None,
 ) -> Path:
     """Compile ``hf_dir`` into ``stages`` stage directories under ``out_dir`` plus a manifest.
 
     ``num_devices`` is per stage (each stage a shard group of that many ATOMs). Returns
-    ``out_dir``. The KV block count is fixed to full capacity (``batch_size`` sequences of
-    ``max_seq_len``), so every stage has the same block count and one vLLM block table drives
-    all of them.
+    ``out_dir``. ``batch_size`` is one micro-batch (the compiled decode graph's rows); the KV
+    cache holds ``micro_batches`` (default: ``stages``) of them at full length, so vLLM's
+    pipeline batch queue keeps one micro-batch in every stage. The block count is fixed, so
+    every stage has the same and one block table drives all of them.
     """
     import torch
 
@@ -131,10 +133,15 @@ def compile_pipeline(
         "rbln_create_runtimes": False,
         "rbln_num_devices": num_devices,
     }
+    micro_batches = stages if micro_batches is None else micro_batches
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, not {micro_batches}")
+    blocks_per_seq = 1  # eager attention: one KV block is a whole sequence
     if kvcache_partition_len is not None:
         kwargs["rbln_kvcache_partition_len"] = kvcache_partition_len
-        # Full capacity, fixed: a per-stage automatic count could differ between stages.
-        kwargs["rbln_kvcache_num_blocks"] = batch_size * (max_seq_len // kvcache_partition_len)
+        blocks_per_seq = max_seq_len // kvcache_partition_len
+    # Full capacity for every micro-batch, fixed: an automatic count could differ by stage.
+    kwargs["rbln_kvcache_num_blocks"] = micro_batches * batch_size * blocks_per_seq
     if decoder_batch_sizes is not None:
         kwargs["rbln_decoder_batch_sizes"] = sorted(set(decoder_batch_sizes), reverse=True)
     rbln_config, unused = cls.prepare_rbln_config(rbln_config=None, **kwargs)
@@ -217,6 +224,7 @@ def compile_pipeline(
         decoder_batch_sizes=tuple(sorted(dec_sizes)),
         stages=tuple(specs),
         npu=rbln_config.npu,
+        max_num_seqs=micro_batches * rbln_config.batch_size,
     )
     _copy_hf_files(hf_dir, out)
     manifest.save(out)

@@ -63,6 +63,8 @@ class PipelineManifest:
     cls_name: str = "RBLNPipelineDecoder"
     npu: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # Sequences the KV cache holds: micro-batches x batch_size (None: batch_size).
+    max_num_seqs: int | None = None
 
     @property
     def num_stages(self) -> int:

@@ -1,15 +1,13 @@
-"""Running one pipeline stage's compiled graphs, and the adapter that chains the stages.
+"""Running one pipeline stage's compiled graphs on this process's devices.
 
 ``StageModel`` owns one stage's runtimes (a prefill graph and one decode graph per compiled
-decoder batch size, all sharing the stage's static KV buffers) on this process's devices.
-
-``PipelineModel`` gives stage 0's worker the *same* interface as an optimum-rbln model
-(``prefill_decoder(...)`` and ``decoders[bs](...)`` returning ``.logits``), so the unchanged
-:class:`~rbln_ray.vllm_plugin.model_runner.RBLNModelRunner` drives a pipeline exactly like a
-single-graph model: request state, block tables, padding rows and host sampling stay in one
-place. Behind that interface it runs stage 0 locally and hands the hidden states to stage 1
-as a Ray call whose result *ref* goes straight into stage 2's call, and so on: hidden states
-move worker → worker through Ray's object store, never through vLLM's engine process.
+decoder batch size, all sharing the stage's static KV buffers) and exposes them with the same
+interface as an optimum-rbln model (``prefill_decoder(...)`` and ``decoders[bs](...)``
+returning ``.logits``), so the unchanged
+:class:`~rbln_ray.vllm_plugin.model_runner.RBLNModelRunner` drives every pipeline rank: the
+first feeds it token ids, later ranks the previous rank's hidden states (moved rank to rank
+by Ray, see ``RBLNRayExecutor``), and ``.logits`` holds this stage's output (hidden states,
+or logits on the last stage).
 """
 
 from __future__ import annotations
@@ -60,6 +58,7 @@ class StageModel:
             for bs in manifest.decoder_batch_sizes
         }
         self.device_seconds = 0.0
+        self.decoders = _Decoders(self)
         logger.info(
             "pipeline stage %d (layers %d-%d) loaded on device %s",
             spec.index,
@@ -78,6 +77,12 @@ class StageModel:
         """On-device KV copies for this stage's layers (its runtimes share one load)."""
         for src, dst, tokens in copies:
             self.prefill_rt._copy_kv_cache(src, dst, tokens)
+
+    def prefill_decoder(self, input_ids, cache_position, block_tables, **_: Any):
+        """optimum's prefill call: ``input_ids`` are token ids on the first stage, hidden
+        states (padded to whole chunks by the previous stage) on later ones."""
+        plan = StepPlan("prefill", cache_position, block_tables, int(cache_position.shape[1]))
+        return SimpleNamespace(logits=self.run(plan, input_ids))
 
     def run(self, plan: StepPlan, x: torch.Tensor) -> torch.Tensor:
         """Stage forward: token ids (stage 0) or hidden states in; hidden states or, on the
@@ -116,51 +121,14 @@ class StageModel:
 class _Decoders:
     """``model.decoders[bs](...)``, as optimum-rbln models expose it."""
 
-    def __init__(self, pipeline: PipelineModel) -> None:
-        self._pipeline = pipeline
+    def __init__(self, stage: StageModel) -> None:
+        self._stage = stage
 
     def __getitem__(self, bs: int):
         def call(input_ids, cache_position, block_tables, attention_mask=None, **_: Any):
             if attention_mask is not None:
                 raise NotImplementedError("pipeline stages are compiled without attention masks")
             plan = StepPlan("decode", cache_position, block_tables)
-            return self._pipeline.run(plan, input_ids)
+            return SimpleNamespace(logits=self._stage.run(plan, input_ids))
 
         return call
-
-
-class PipelineModel:
-    """Stage 0's view of the whole pipeline, shaped like an optimum-rbln decoder model."""
-
-    def __init__(self, stage0: StageModel, peers: Sequence[Any] = ()) -> None:
-        self.stage0 = stage0
-        self.peers: list[Any] = list(peers)  # Ray actor handles of stages 1..S-1, in order
-        self.decoders = _Decoders(self)
-
-    def copy_kv_blocks(self, copies: list[tuple[int, int, int]]) -> None:
-        """Prefix-cache KV copies on every stage (each holds its own layers' KV)."""
-        self.stage0.copy_kv_blocks(copies)
-        if self.peers:
-            import ray
-
-            ray.get([p.execute_method.remote("copy_kv_blocks", copies) for p in self.peers])
-
-    def prefill_decoder(self, input_ids, cache_position, block_tables, **_: Any):
-        plan = StepPlan("prefill", cache_position, block_tables, int(input_ids.shape[1]))
-        return self.run(plan, input_ids)
-
-    def run(self, plan: StepPlan, input_ids: torch.Tensor) -> SimpleNamespace:
-        expected = self.stage0.manifest.num_stages - 1
-        if len(self.peers) != expected:
-            raise RuntimeError(f"pipeline has {len(self.peers)} peer stages, expected {expected}")
-        x: Any = self.stage0.run(plan, input_ids)
-        if self.peers:
-            import ray
-
-            plan_ref = ray.put(plan) if len(self.peers) > 1 else plan
-            for peer in self.peers:
-                # The ref from stage k is an argument of stage k+1: Ray moves the tensor
-                # between those two workers directly.
-                x = peer.execute_method.remote("run_stage", plan_ref, x)
-            x = ray.get(x)
-        return SimpleNamespace(logits=x)

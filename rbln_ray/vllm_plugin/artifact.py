@@ -37,6 +37,13 @@ class CompiledArtifact:
     use_attention_mask: bool
     requires_batch_sort: bool
     num_stages: int = 1  # > 1: a staged directory (rbln_ray.pipeline), one worker per stage
+    # Sequences in flight: batch_size, or for a pipeline every micro-batch's (vLLM keeps one
+    # micro-batch of up to batch_size rows in each stage).
+    max_num_seqs: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.max_num_seqs:
+            object.__setattr__(self, "max_num_seqs", self.batch_size)
 
     @property
     def blocks_per_seq(self) -> int:
@@ -78,6 +85,7 @@ class CompiledArtifact:
             use_attention_mask=bool(raw.get("use_attention_mask")),
             requires_batch_sort=bool(raw.get("_requires_batch_sort")),
             num_stages=int(raw.get("num_stages", 1)),
+            max_num_seqs=int(raw.get("max_num_seqs") or raw["batch_size"]),
         )
 
 

@@ -77,8 +77,14 @@ class RBLNModelRunner:
         artifact: CompiledArtifact,
         model: Any,
         layout: BlockLayout,
+        *,
+        first_stage: bool = True,
+        last_stage: bool = True,
     ) -> None:
         self.vllm_config = vllm_config
+        # Pipeline ranks: the first embeds token ids, later ones take the previous stage's
+        # hidden states; only the last returns logits and samples.
+        self.first_stage, self.last_stage = first_stage, last_stage
         self.artifact = artifact
         self.model = model
         self.layout = layout
@@ -137,6 +143,13 @@ class RBLNModelRunner:
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]
+            if not self.last_stage and cached.new_token_ids:
+                # Pipeline ranks before the last learn sampled tokens from the scheduler
+                # (vLLM sends each step's input tokens to every rank when PP > 1).
+                tokens = cached.new_token_ids[i]
+                unseen = state.num_computed_tokens + len(tokens) - state.num_tokens
+                if unseen > 0:
+                    state.output_token_ids.extend(tokens[-unseen:])
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 state.block_ids = tuple(list(ids) for ids in new_blocks)
@@ -176,7 +189,9 @@ class RBLNModelRunner:
         return True
 
     # ----------------------------------------------------------------- device calls
-    def _prefill(self, so: SchedulerOutput, plan: KVStepPlan, req_id: str) -> torch.Tensor:
+    def _prefill(
+        self, so: SchedulerOutput, plan: KVStepPlan, req_id: str, hidden: torch.Tensor | None
+    ) -> torch.Tensor:
         state = self.requests[req_id]
         computed = state.num_computed_tokens
         end = computed + so.num_scheduled_tokens[req_id]
@@ -190,13 +205,11 @@ class RBLNModelRunner:
                 f"only at a multiple of prefill_chunk_size={chunk}"
             )
         tokens = state.prompt_token_ids + state.output_token_ids
-        ids = torch.tensor([tokens[start:end]], dtype=torch.long)
+        x = torch.tensor([tokens[start:end]], dtype=torch.long) if hidden is None else hidden
         positions = torch.arange(start, end, dtype=torch.int32).unsqueeze(0)
         table = torch.tensor(self._table_row(plan.tables[req_id]), dtype=torch.int16)
         start_t = time.perf_counter()
-        out = self.model.prefill_decoder(
-            input_ids=ids, cache_position=positions, block_tables=table
-        )
+        out = self.model.prefill_decoder(input_ids=x, cache_position=positions, block_tables=table)
         self.stats.device_seconds += time.perf_counter() - start_t
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += end - start
@@ -206,9 +219,11 @@ class RBLNModelRunner:
         if end == len(tokens):
             self.stats.prefill_requests += 1
         self.stats.record("prefill", [req_id])
-        return out.logits[:, -1, :]
+        return out.logits[:, -1, :] if self.last_stage else out.logits
 
-    def _decode(self, plan: KVStepPlan, req_ids: list[str]) -> torch.Tensor:
+    def _decode(
+        self, plan: KVStepPlan, req_ids: list[str], hidden: torch.Tensor | None
+    ) -> torch.Tensor:
         sizes = self.artifact.decoder_batch_sizes
         idx = bisect.bisect_left(sizes, len(req_ids))
         if idx == len(sizes):
@@ -224,10 +239,13 @@ class RBLNModelRunner:
         ids_in_order = [req_ids[i] for i in order]
         states = [self.requests[r] for r in ids_in_order]
         padding = bs - len(req_ids)
-        ids = torch.tensor(
-            [s.get_token_id(p) for s, p in zip(states, pos, strict=True)] + [0] * padding,
-            dtype=torch.long,
-        ).view(bs, 1)
+        if hidden is None:
+            x = torch.tensor(
+                [s.get_token_id(p) for s, p in zip(states, pos, strict=True)] + [0] * padding,
+                dtype=torch.long,
+            ).view(bs, 1)
+        else:  # the previous stage's rows, in this same order (every rank sorts alike)
+            x = hidden
         cache_pos = torch.tensor(pos + [plan.scratch_position] * padding, dtype=torch.int32)
         cache_pos = cache_pos.view(bs, 1)
         rows = [self._table_row(plan.tables[r]) for r in ids_in_order]
@@ -240,13 +258,15 @@ class RBLNModelRunner:
             mask = (span.view(1, -1) <= cache_pos.view(-1, 1)).float().view(bs, 1, 1, -1)
         start_t = time.perf_counter()
         out = self.model.decoders[bs](
-            input_ids=ids, cache_position=cache_pos, block_tables=table, attention_mask=mask
+            input_ids=x, cache_position=cache_pos, block_tables=table, attention_mask=mask
         )
         self.stats.device_seconds += time.perf_counter() - start_t
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(req_ids)
         self.stats.padded_rows += bs - len(req_ids)
         self.stats.record("decode", req_ids)
+        if not self.last_stage:
+            return out.logits  # hidden states of every row, padding included
         logits = out.logits[: len(req_ids), -1, :]
         if order == sorted(order):
             return logits
@@ -256,17 +276,23 @@ class RBLNModelRunner:
         return logits[torch.tensor(inverse)]
 
     # ----------------------------------------------------------------- vLLM entry points
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(
+        self, so: SchedulerOutput, hidden: torch.Tensor | None = None
+    ) -> ModelRunnerOutput | torch.Tensor | None:
         """Run the device for this step; :meth:`sample_tokens` then returns its output.
 
         vLLM's engine always follows a step's ``execute_model`` with ``sample_tokens`` (with the
         grammar bitmask of the step's structured-output requests), synchronously or, with
         async scheduling, while it already schedules the next step. The RBLN Ray executor
-        sends both as one call to the worker (see ``RBLNWorker.execute_and_sample``).
+        sends both as one call to the worker (see ``RBLNWorker.execute_stage``). A pipeline
+        rank before the last takes the previous rank's ``hidden`` states (the first: token
+        ids) and returns its own for the next rank.
         """
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            return EMPTY_MODEL_RUNNER_OUTPUT if self.last_stage else None
+        if not self.first_stage and hidden is None:
+            raise RuntimeError("pipeline rank without the previous stage's hidden states")
         plan: KVStepPlan | None = getattr(so, "rbln_plan", None)
         if plan is None:
             raise RuntimeError(
@@ -283,7 +309,9 @@ class RBLNModelRunner:
             req_id = req_ids[0]
             cached = so.scheduled_cached_reqs
             self._starting = {n.req_id for n in so.scheduled_new_reqs} | cached.resumed_req_ids
-            logits = self._prefill(so, plan, req_id)
+            logits = self._prefill(so, plan, req_id, hidden)
+            if not self.last_stage:
+                return logits
             state = self.requests[req_id]
             done = state.num_computed_tokens + so.num_scheduled_tokens[req_id]
             if done < len(state.prompt_token_ids) + len(state.output_token_ids):
@@ -293,7 +321,9 @@ class RBLNModelRunner:
                 )
                 return None
         else:
-            logits = self._decode(plan, req_ids)
+            logits = self._decode(plan, req_ids, hidden)
+            if not self.last_stage:
+                return logits
         self._pending = (so, logits.float())
         return None
 

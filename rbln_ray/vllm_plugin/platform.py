@@ -117,11 +117,13 @@ def _sync_kv_cache(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
 
 def _sync_scheduler(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
     sched = vllm_config.scheduler_config
-    if sched.max_num_seqs > art.batch_size:
+    if sched.max_num_seqs > art.max_num_seqs:
         logger.info(
-            "max_num_seqs %d -> %d (compiled batch_size)", sched.max_num_seqs, art.batch_size
+            "max_num_seqs %d -> %d (sequences the compiled KV cache holds)",
+            sched.max_num_seqs,
+            art.max_num_seqs,
         )
-    sched.max_num_seqs = min(sched.max_num_seqs, art.batch_size)
+    sched.max_num_seqs = min(sched.max_num_seqs, art.max_num_seqs)
     max_len = vllm_config.model_config.max_model_len
     if sched.enable_chunked_prefill:
         # One compiled chunk per prefill step, so decodes run between a long prompt's chunks;
@@ -146,14 +148,38 @@ def _sync_async_scheduling(vllm_config: VllmConfig, requested_backend: object) -
     the user (``async_scheduling=False``, ``--no-async-scheduling``) is kept.
     """
     sched = vllm_config.scheduler_config
-    if requested_backend == "ray" and not sched.async_scheduling:
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        # vLLM 0.30's v1 runner path runs pipeline stages with its batch queue (one
+        # micro-batch per stage in flight), not with async scheduling.
+        if sched.async_scheduling:
+            logger.info("async scheduling off: pipeline stages overlap through the batch queue")
+        sched.async_scheduling = False
+    elif requested_backend == "ray" and not sched.async_scheduling:
         logger.info("async scheduling on: the RBLN Ray executor supports it")
         sched.async_scheduling = True
     sched.scheduler_cls = ASYNC_SCHEDULER_CLS if sched.async_scheduling else SCHEDULER_CLS
 
 
 def _sync_parallel(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
+    """One vLLM pipeline-parallel rank per compiled stage; no tensor parallelism in vLLM.
+
+    Sharding inside a node is the compiled shard group (``num_devices``, one process on N
+    devices), not vLLM's TP; across stages it is vLLM's own pipeline-parallel contract.
+    """
     parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1:
+        raise RBLNConfigError(
+            f"tensor_parallel_size={parallel.tensor_parallel_size}: on RBLN a model is sharded "
+            f"over the devices it was compiled for (num_devices={art.num_devices} in "
+            f"{art.path}); leave tensor_parallel_size at 1"
+        )
+    if parallel.pipeline_parallel_size not in (1, art.num_stages):
+        raise RBLNConfigError(
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size} conflicts with "
+            f"{art.path}, compiled as {art.num_stages} pipeline stage(s)"
+        )
+    parallel.pipeline_parallel_size = art.num_stages
+    parallel.world_size = art.num_stages
     parallel.worker_cls = PIPELINE_WORKER_CLS if art.num_stages > 1 else WORKER_CLS
     if art.num_stages > 1 and parallel.distributed_executor_backend in (None, "mp", "uni"):
         # Stages are separate Ray actors: a staged artifact always runs on the Ray executor.

@@ -68,6 +68,7 @@ class _RBLNScheduling:
 
         artifact = compiled_artifact(self.vllm_config)
         self.layout: BlockLayout = block_layout(artifact)
+        self.decode_batch = artifact.batch_size  # rows of the largest compiled decode graph
         # Tokens one prefill step computes: a compiled chunk, or a whole prompt when the user
         # turned chunked prefill off.
         sched = self.scheduler_config
@@ -143,7 +144,7 @@ class _RBLNScheduling:
         else:
             kind = "decode"
             self._make_room_for_decodes(decoding)
-            visible = [r for r in self.running if not r.is_prefill_chunk]
+            visible = self._decode_rows([r for r in self.running if not r.is_prefill_chunk])
             limit = len(visible)
         with self._only(visible, limit):
             output = super().schedule(throttle_prefills)
@@ -158,6 +159,16 @@ class _RBLNScheduling:
             self._prefill_stalled = False
         plan = self._plan(output, kind if scheduled else "idle")
         return RBLNSchedulerOutput.wrap(output, plan)
+
+    def _decode_rows(self, decoding: list[Request]) -> list[Request]:
+        """The requests one decode step runs: those with a token to compute now (a pipeline's
+        other micro-batches are still in flight), at most the compiled decode batch."""
+        ready = [
+            r
+            for r in decoding
+            if r.num_tokens_with_spec + r.num_output_placeholders > r.num_computed_tokens
+        ]
+        return ready[: self.decode_batch]
 
     def _make_room_for_decodes(self, decoding: list[Request]) -> None:
         """Preempt the newest decoding requests while the others' next tokens need more new

@@ -89,13 +89,19 @@ class RBLNWorker(WorkerBase):
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         return self.model_runner.sample_tokens(grammar_output)
 
-    def execute_and_sample(
-        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None
-    ) -> ModelRunnerOutput:
-        """One step, device and sampling: what the engine's ``execute_model`` +
-        ``sample_tokens`` pair does, in one call (one actor round trip on the Ray executor)."""
-        output = self.execute_model(scheduler_output)
-        return output if output is not None else self.sample_tokens(grammar_output)
+    def execute_stage(
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_output: GrammarOutput | None,
+        hidden: torch.Tensor | None = None,
+    ) -> ModelRunnerOutput | torch.Tensor | None:
+        """One step on this rank in one call (one actor round trip on the Ray executor):
+        what the engine's ``execute_model`` + ``sample_tokens`` pair does on the last (or
+        only) rank; on an earlier pipeline rank, the hidden states for the next one."""
+        output = self.model_runner.execute_model(scheduler_output, hidden)
+        if not self.model_runner.last_stage or output is not None:
+            return output
+        return self.model_runner.sample_tokens(grammar_output)
 
     def step_stats(self) -> dict:
         """Runner counters (collective_rpc target for tests, benchmarks and /metrics)."""
