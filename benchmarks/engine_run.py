@@ -57,7 +57,10 @@ EXTENSION = "rbln_ray.emulator.timing.RuntimeCallsExtension"
 
 
 def _rbln_stats(rpc) -> dict:
-    return {"step_stats": rpc("step_stats")[0], "calls": rpc("emulator_calls")[0]}
+    """Rank 0's step counters and call log, and every rank's call totals (pipeline stages)."""
+    calls = rpc("emulator_calls")
+    totals = [{k: v for k, v in c.items() if k != "calls"} for c in calls]
+    return {"step_stats": rpc("step_stats")[0], "calls": calls[0], "calls_by_rank": totals}
 
 
 def _params(spec: dict, n: int, output_len: int, jitter: float) -> list:
