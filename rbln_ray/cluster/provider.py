@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 RAY_STOP = "ray stop"
 SHUTDOWN = "sudo shutdown -h now"
 AUTH_KEY = "_rbln_auth"  # the cluster's `auth` section, copied in by bootstrap_config
+REQUIRED = ("head_ip", "worker_ips", "node_stop_command")
 
 
 def for_shared_host(cmd: str | None, node_stop_command: str) -> str | None:
@@ -189,7 +190,12 @@ class SharedHostProvider(LocalNodeProvider):
 
     @staticmethod
     def bootstrap_config(cluster_config: dict[str, Any]) -> dict[str, Any]:
-        """Keep a copy of ``auth`` with the provider config: ``terminate_node`` needs SSH."""
+        """Check the provider section (``ray up`` calls this before touching any host) and keep
+        a copy of ``auth`` with it: ``terminate_node`` needs SSH."""
+        provider = cluster_config.get("provider", {})
+        missing = [k for k in REQUIRED if not provider.get(k)]
+        if missing:
+            raise ValueError(f"provider ({provider.get('module')}) needs {', '.join(missing)}")
         config = copy.deepcopy(LocalNodeProvider.bootstrap_config(cluster_config))
         config["provider"][AUTH_KEY] = copy.deepcopy(config.get("auth", {}))
         return config

@@ -107,7 +107,12 @@ def first_attempt_started() -> float:
     from ray.experimental import internal_kv
 
     now = time.time()
-    task_id = ray.get_runtime_context().get_task_id() if ray.is_initialized() else None
+    if not ray.is_initialized():
+        return now
+    context = ray.get_runtime_context()
+    if context.worker.mode != ray.WORKER_MODE:  # a driver (serve run, rbln-ray serve)
+        return now
+    task_id = context.get_task_id()
     if task_id is None:
         return now
     key = f"rbln_ray:placement_wait:{task_id}".encode()
