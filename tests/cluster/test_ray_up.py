@@ -221,8 +221,8 @@ def test_workers_without_rbln_fail_serve_deploy_within_placement_timeout(hosts: 
     assert "cluster has 0 RBLN in total" in message, message
     for ip in hosts.ips:
         assert f"({ip}): 0 RBLN" in message, message
-    # The failure arrives after the configured wait plus the app build's own start-up.
-    print(f"serve status message: {message}")
-    assert timeout_s <= waited <= timeout_s + 60, waited
+    # The failure arrives after the configured wait plus the start-up of Serve's four build
+    # attempts (it retries a failed build 3 times; each imports vLLM: ~10 s here).
+    assert timeout_s <= waited <= timeout_s + 90, waited
     assert left == {}, left
     print(f"timings {cluster.timings}")

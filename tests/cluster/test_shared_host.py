@@ -13,12 +13,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rbln_ray.cluster import node_stop
 from rbln_ray.cluster.provider import SharedHostProvider, for_shared_host
+from tests.cluster.ray_up_cluster import remove_ssh_control_dir
 
 STOP = 'rbln-ray stop-node --ray-tmpdir "$HOME/rbln-ray/run"'
 
@@ -121,8 +123,10 @@ class Recorder:
         return b""
 
 
-def provider(tmp_path: Path) -> SharedHostProvider:
-    """Ray's local provider keeps its state file under RAY_TMPDIR (set by each test)."""
+@pytest.fixture
+def provider(tmp_path: Path, monkeypatch) -> Iterator[SharedHostProvider]:
+    """A provider whose state file (under RAY_TMPDIR) and SSH control dir are this test's."""
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     config = {
         "type": "external",
         "module": "rbln_ray.cluster.provider.SharedHostProvider",
@@ -132,12 +136,13 @@ def provider(tmp_path: Path) -> SharedHostProvider:
         "node_stop_command": STOP,
         "_rbln_auth": {"ssh_user": "rbln", "ssh_private_key": "~/key"},
     }
-    return SharedHostProvider(config, f"unit-{tmp_path.name}")
+    p = SharedHostProvider(config, f"unit-{tmp_path.name}")
+    yield p
+    remove_ssh_control_dir(p.cluster_name)  # the runner creates /tmp/ray_ssh_<user>/<cluster>
 
 
-def test_runner_uses_the_port_and_runs_the_scoped_stop(tmp_path: Path, monkeypatch):
-    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
-    p = provider(tmp_path)
+def test_runner_uses_the_port_and_runs_the_scoped_stop(provider: SharedHostProvider):
+    p = provider
     rec = Recorder()
     auth = {"ssh_user": "rbln", "ssh_private_key": "~/key"}
     runner = p.get_command_runner("w: ", "127.0.0.11", auth, p.cluster_name, rec, True)
@@ -150,9 +155,8 @@ def test_runner_uses_the_port_and_runs_the_scoped_stop(tmp_path: Path, monkeypat
     assert "shutdown" not in argv[-1]
 
 
-def test_ray_stop_on_the_head_stops_the_workers_first(tmp_path: Path, monkeypatch):
-    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
-    p = provider(tmp_path)
+def test_ray_stop_on_the_head_stops_the_workers_first(provider: SharedHostProvider, monkeypatch):
+    p = provider
     stopped: list[str] = []
     monkeypatch.setattr(p, "_stop_ray_on", lambda node, auth: stopped.append(node))
     rec = Recorder()
