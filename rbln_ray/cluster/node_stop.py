@@ -9,7 +9,7 @@ and its agents, the Ray client server, every worker and the vLLM engine processe
 This module stops exactly the processes whose environment carries that value, plus their
 descendants, never itself or its ancestors.
 
-    rbln-ray stop-node --ray-tmpdir ~/rbln-ray/run
+    rbln-ray stop-node --ray-tmpdir ~/rbln-ray/10.0.0.11
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--ray-tmpdir",
         required=True,
-        help=f"the {MARKER_ENV} this node's `ray start` ran with (e.g. ~/rbln-ray/run)",
+        help=f"the {MARKER_ENV} this node's `ray start` ran with (e.g. ~/rbln-ray/10.0.0.11)",
     )
     parser.add_argument(
         "--grace-period", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL"

@@ -8,7 +8,7 @@ In a ``ray up`` config (see ``cluster_configs/ray-up-*.yaml``)::
       head_ip: 10.0.0.10
       worker_ips: [10.0.0.11, 10.0.0.12]
       ssh_port: 22                               # optional (default 22)
-      node_stop_command: rbln-ray stop-node --ray-tmpdir ~/rbln-ray/run
+      node_stop_command: rbln-ray stop-node --ray-tmpdir "$HOME/rbln-ray/<address>"
 
 Everything else is Ray's ``LocalNodeProvider`` (fixed hosts, one raylet each, no cloud API).
 What it changes, and why (read from Ray 2.60's ``autoscaler/_private``):

@@ -69,13 +69,17 @@ def test_ray_up_config_passes_rays_validation(path: Path):
         *prepared["worker_start_ray_commands"], *prepared["initialization_commands"],
     ]  # fmt: skip
     assert not [c for c in commands if re.search(r"(^|[;&|(]|\bthen|\bdo)\s*ray stop\b", c)]
+    # One RAY_TMPDIR per host address (the one SSH reached), so hosts sharing a HOME stay apart.
+    address = """$(echo $SSH_CONNECTION | cut -d' ' -f3)"""
     stop = provider["node_stop_command"]
-    assert stop.startswith("rbln-ray stop-node --ray-tmpdir ")
-    tmpdir = stop.split("--ray-tmpdir ", 1)[1]
+    assert stop == f'rbln-ray stop-node --ray-tmpdir "$HOME/rbln-ray/{address}"'
     for cmds in (prepared["head_start_ray_commands"], prepared["worker_start_ray_commands"]):
         assert cmds[0] == stop
         start = ray_start(cmds, head=cmds is prepared["head_start_ray_commands"])
-        assert f"RAY_TMPDIR={tmpdir}" in start and '--temp-dir="$RAY_TMPDIR/ray"' in start
+        assert f'RBLN_RAY_NODE_IP="{address}"' in start
+        assert 'RAY_TMPDIR="$HOME/rbln-ray/$RBLN_RAY_NODE_IP"' in start
+        assert '--temp-dir="$RAY_TMPDIR"' in start
+    assert '--node-ip-address="$RBLN_RAY_NODE_IP"' in workers
     setup = " ".join(prepared["setup_commands"])
     assert "make -C ~/rbln-ray/src setup" in setup and ".rbln-ray-installed" in setup
     if "emulated" in path.name:

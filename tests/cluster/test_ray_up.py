@@ -79,7 +79,7 @@ def hosts(request: pytest.FixtureRequest) -> Iterator[LoopbackHosts]:
     if request.session.testsfailed == failed_before:
         shutil.rmtree(loopback.base, ignore_errors=True)
     else:
-        logger.warning("logs kept in %s (Ray's under <host>/rbln-ray/run/ray)", loopback.base)
+        logger.warning("logs kept in %s (Ray's under <host>/rbln-ray/<address>)", loopback.base)
 
 
 class Cluster:

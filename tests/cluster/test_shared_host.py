@@ -22,7 +22,7 @@ from rbln_ray.cluster import node_stop
 from rbln_ray.cluster.provider import SharedHostProvider, for_shared_host
 from tests.cluster.ray_up_cluster import remove_ssh_control_dir
 
-STOP = 'rbln-ray stop-node --ray-tmpdir "$HOME/rbln-ray/run"'
+STOP = 'rbln-ray stop-node --ray-tmpdir "$HOME/rbln-ray/127.0.0.11"'
 
 # A "node": a parent that daemonises a grandchild (reparented away, like `ray start`'s
 # raylet) and keeps a child of its own, all started with the marker in their environment.
