@@ -101,10 +101,10 @@ class SharedHostSSHCommandRunner(SSHCommandRunner):
         kwargs.pop("ssh_options_override_ssh_key", None)
         if kwargs.pop("shutdown_after_run", False):
             logger.warning("not shutting down a host other Ray clusters may share")
-        rewritten = for_shared_host(cmd, self.node_stop_command)
-        if rewritten != cmd and self.before_stop is not None:
+        stops = cmd is not None and RAY_STOP in (p.strip() for p in cmd.split("; "))
+        if stops and self.before_stop is not None:
             self.before_stop()
-        return super().run(rewritten, *args, **kwargs)
+        return super().run(for_shared_host(cmd, self.node_stop_command), *args, **kwargs)
 
 
 class SharedHostProvider(LocalNodeProvider):

@@ -163,7 +163,9 @@ def test_ray_stop_on_the_head_stops_the_workers_first(provider: SharedHostProvid
     head = p.get_command_runner("h: ", "127.0.0.10", {"ssh_user": "rbln"}, p.cluster_name,
                                 rec, True)  # fmt: skip
     head.run("uptime")
+    head.run("uptime; sudo shutdown -h now")  # the shutdown is dropped; nothing is stopped
     assert stopped == []
+    assert "shutdown" not in rec.calls[-1][-1]
     head.run("ray stop")
     assert stopped == ["127.0.0.11", "127.0.0.12"]
     assert STOP in rec.calls[-1][-1]
