@@ -8,9 +8,9 @@ STAMP   := $(VENV)/.rbln-ray-installed
 PEER       := .venv-vllm-rbln
 PEER_STAMP := $(PEER)/.peer-installed
 
-.PHONY: setup peer-env test lint demo clean
+.PHONY: setup peer-env test lint demo clean ssh-test-tools
 
-setup: $(STAMP) $(PEER_STAMP)
+setup: $(STAMP) $(PEER_STAMP) ssh-test-tools
 
 peer-env: $(PEER_STAMP)
 
@@ -31,6 +31,23 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	$(BIN)/pip install --no-deps -e .
 	$(BIN)/python -c "import vllm, ray, transformers, rbln_ray; print('rbln-ray environment ready')"
 	touch $(STAMP)
+
+# The `ray up` test (tests/cluster/test_ray_up.py) runs sshd (Debian's openssh-server) on
+# loopback addresses and Ray syncs files with rsync. Installed from Debian's registry only when
+# missing, as root, and not on a systemd host (where the package would enable an sshd on
+# port 22: install it yourself there); otherwise says what to install. The tests never use
+# the package's own ssh service or configuration.
+ssh-test-tools:
+	@if [ -x /usr/sbin/sshd ] && command -v rsync >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	     [ "$$(cat /proc/1/comm 2>/dev/null)" != systemd ]; then \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y --no-install-recommends openssh-server rsync || \
+	  { apt-get update && apt-get install -y --no-install-recommends openssh-server rsync; }; \
+	else \
+	  echo "note: the ray up test needs openssh-server and rsync:" \
+	       "sudo apt-get install openssh-server rsync"; \
+	fi
 
 test: setup
 	$(BIN)/ruff check .

@@ -142,6 +142,15 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--intermediate-size", type=int, default=256)
     b.set_defaults(func=cmd_build_model)
 
+    from rbln_ray.cluster import node_stop
+
+    st = sub.add_parser(
+        "stop-node",
+        help="stop this host's Ray node of one cluster (a scoped `ray stop`; see ray-up configs)",
+    )
+    node_stop.add_arguments(st)
+    st.set_defaults(func=node_stop.run)
+
     from rbln_ray.cli import plan_cmd
 
     pl = sub.add_parser("plan", help="estimate RBLN cards, devices per worker and replicas")

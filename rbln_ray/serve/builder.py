@@ -9,10 +9,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from rbln_ray.serve.capacity import ReplicaShape, first_attempt_started, wait_placeable
 from rbln_ray.serve.config import DEMO_MODEL, AppConfig, ModelDeploymentConfig, load_config
 from rbln_ray.serve.ingress import OpenAIIngress, app
 from rbln_ray.serve.metrics import MetricsHub
@@ -112,6 +114,15 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
     if isinstance(args, dict) and set(args) == {"config"}:  # serve run ... config=FILE
         args = args["config"]
     config = load_config(args)
+    if ray.is_initialized():  # inside the cluster (serve deploy/run): fail fast if infeasible
+        wait_placeable(
+            [
+                ReplicaShape(m.name, tuple(server_bundles(m)), m.placement_strategy,
+                             m.placement_timeout_s)
+                for m in config.models
+            ],
+            started=first_attempt_started(),
+        )  # fmt: skip
     hub = (
         serve.deployment(MetricsHub)
         .options(name="MetricsHub", num_replicas=1, ray_actor_options={"num_cpus": 0})

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import importlib
+import ipaddress
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -18,12 +20,23 @@ RAYSERVICE = CONFIGS / "kuberay-rayservice.yaml"
 
 
 def ray_validate(config: dict) -> dict:
-    """What `ray up` does with a config before touching any host."""
-    from ray.autoscaler._private.util import prepare_config, validate_config
+    """What `ray up` does with a config before touching any host (commands._bootstrap_config:
+    defaults, Ray's schema, the node provider's own checks)."""
+    from ray.autoscaler._private.commands import _bootstrap_config
 
-    prepared = prepare_config(copy.deepcopy(config))
-    validate_config(prepared)
-    return prepared
+    return _bootstrap_config(copy.deepcopy(config), no_config_cache=True)
+
+
+def ray_start(commands: list[str], head: bool) -> str:
+    (cmd,) = [c for c in commands if ("ray start --head" in c) == head and "ray start" in c]
+    return cmd
+
+
+def start_flags(cmd: str) -> set[str]:
+    """The `ray start` flags and exported variable names of one start command."""
+    flags = set(re.findall(r"(--[a-z-]+)=", cmd.split("ray start", 1)[1]))
+    exported = set(re.findall(r"\b([A-Z][A-Z0-9_]+)=", cmd.split("ray start", 1)[0]))
+    return flags | exported
 
 
 def test_both_ray_up_configs_exist():
@@ -34,22 +47,79 @@ def test_both_ray_up_configs_exist():
 def test_ray_up_config_passes_rays_validation(path: Path):
     config = yaml.safe_load(path.read_text())
     prepared = ray_validate(config)
-    assert prepared["provider"]["type"] == "local"
-    assert len(prepared["provider"]["worker_ips"]) >= 2
-    head = " ".join(prepared["head_start_ray_commands"])
-    workers = " ".join(prepared["worker_start_ray_commands"])
+    provider = prepared["provider"]
+    assert provider["type"] == "external"
+    assert provider["module"] == "rbln_ray.cluster.provider.SharedHostProvider"
+    assert len(provider["worker_ips"]) >= 2
+    node_types = prepared["available_node_types"]
+    assert node_types[prepared["head_node_type"]]["max_workers"] == 0
+    (workers_type,) = [t for n, t in node_types.items() if n != prepared["head_node_type"]]
+    assert workers_type["min_workers"] == workers_type["max_workers"] == len(provider["worker_ips"])
+    head = ray_start(prepared["head_start_ray_commands"], head=True)
+    workers = ray_start(prepared["worker_start_ray_commands"], head=False)
     # Dashboard (and Serve's REST API) on loopback; token auth on; GCS on the given address.
     assert "--dashboard-host=127.0.0.1" in head
-    assert f"--node-ip-address={config['provider']['head_ip']}" in head
+    assert f"--node-ip-address={provider['head_ip']}" in head
     assert "RAY_AUTH_MODE=token" in head and "RAY_AUTH_MODE=token" in workers
     assert "0.0.0.0" not in head + workers
-    setup = " ".join(prepared["worker_setup_commands"])
+    # Shared hosts: no `ray stop` anywhere; every start is preceded by this node's scoped stop,
+    # which finds the node's processes by the RAY_TMPDIR its `ray start` exported.
+    commands = [
+        *prepared["setup_commands"], *prepared["head_start_ray_commands"],
+        *prepared["worker_start_ray_commands"], *prepared["initialization_commands"],
+    ]  # fmt: skip
+    assert not [c for c in commands if re.search(r"(^|[;&|(]|\bthen|\bdo)\s*ray stop\b", c)]
+    # One RAY_TMPDIR per host address (the one SSH reached), so hosts sharing a HOME stay apart.
+    address = """$(echo $SSH_CONNECTION | cut -d' ' -f3)"""
+    stop = provider["node_stop_command"]
+    assert stop == f'rbln-ray stop-node --ray-tmpdir "$HOME/rbln-ray/{address}"'
+    for cmds in (prepared["head_start_ray_commands"], prepared["worker_start_ray_commands"]):
+        assert cmds[0] == stop
+        start = ray_start(cmds, head=cmds is prepared["head_start_ray_commands"])
+        assert f'RBLN_RAY_NODE_IP="{address}"' in start
+        assert 'RAY_TMPDIR="$HOME/rbln-ray/$RBLN_RAY_NODE_IP"' in start
+        assert '--temp-dir="$RAY_TMPDIR"' in start
+    assert '--node-ip-address="$RBLN_RAY_NODE_IP"' in workers
+    setup = " ".join(prepared["setup_commands"])
+    assert "make -C ~/rbln-ray/src setup" in setup and ".rbln-ray-installed" in setup
     if "emulated" in path.name:
         assert "RBLN_RAY_DEVICE=emulated" in head and "RBLN_RAY_DEVICE=emulated" in workers
         assert """--resources='{"RBLN": 2}'""" in workers
+        assert "RBLN_RAY_EMULATED_DEVICES=2" in workers
+        assert "rbln_ray/emulator/_shim" in head and "rbln_ray/emulator/_shim" in workers
         assert "[rbln]" not in setup
+        # One machine: loopback hosts, never 127.0.0.1 (Ray advertises the host's address
+        # for it: services.resolve_ip_for_localhost).
+        ips = [provider["head_ip"], *provider["worker_ips"]]
+        assert all(ipaddress.ip_address(ip) in ipaddress.ip_network("127.0.0.0/8") for ip in ips)
+        assert "127.0.0.1" not in ips
     else:
         assert "[rbln]" in setup and "pypi.rbln.ai" in setup
+        assert "RBLN_RAY_DEVICE=rbln" in head and "_shim" not in head + workers
+
+
+def test_atom_and_emulated_configs_differ_only_where_hardware_needs_it():
+    atom, emu = (
+        yaml.safe_load((CONFIGS / f"ray-up-{n}.yaml").read_text()) for n in ("atom", "emulated")
+    )
+    assert set(atom) - {"cluster_name"} == set(emu) - {"cluster_name"}
+    assert set(atom["provider"]) == set(emu["provider"])
+    for key in ("type", "module", "ssh_port", "node_stop_command"):
+        assert atom["provider"][key] == emu["provider"][key], key
+    for key in ("available_node_types", "head_node_type", "max_workers", "file_mounts",
+                "rsync_exclude", "initialization_commands"):  # fmt: skip
+        assert atom[key] == emu[key], key
+    assert set(emu["setup_commands"]) <= set(atom["setup_commands"])  # ATOM adds the extra
+    # Start commands: the same flags and variables, except these.
+    hardware = {
+        True: {"--num-cpus", "--resources", "--dashboard-agent-listen-port",  # one machine
+               "--object-store-memory"},
+        False: {"--num-cpus", "--resources", "--dashboard-agent-listen-port",
+                "--object-store-memory", "RBLN_RAY_EMULATED_DEVICES"},
+    }  # fmt: skip
+    for head, key in ((True, "head_start_ray_commands"), (False, "worker_start_ray_commands")):
+        a, e = ray_start(atom[key], head), ray_start(emu[key], head)
+        assert start_flags(a) ^ start_flags(e) <= hardware[head], start_flags(a) ^ start_flags(e)
 
 
 @pytest.mark.parametrize("path", RAY_UP, ids=lambda p: p.name)
@@ -58,7 +128,6 @@ def test_ray_up_config_passes_rays_validation(path: Path):
     ["unknown_top_level_field", "provider_without_head_ip", "commands_not_a_list"],
 )
 def test_broken_ray_up_config_fails_validation(path: Path, breakage: str):
-    import click
     import jsonschema
 
     config = yaml.safe_load(path.read_text())
@@ -67,7 +136,7 @@ def test_broken_ray_up_config_fails_validation(path: Path, breakage: str):
         config["head_start_ray_comands"] = ["ray start --head"]  # a typo'd key
     elif breakage == "provider_without_head_ip":
         del config["provider"]["head_ip"]
-        expected = click.ClickException  # the local provider's own abort
+        expected = ValueError  # the provider's own check, before any host is touched
     else:
         config["worker_start_ray_commands"] = "ray start --address=$RAY_HEAD_IP:6379"
     with pytest.raises(expected):
