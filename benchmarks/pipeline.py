@@ -9,7 +9,7 @@ requests at once, so every micro-batch stays full while requests wait.
 Goal: throughput(S) >= 0.9 x S x throughput(1) for S = 2 and 4.
 
 Every engine runs in a fresh process (:mod:`benchmarks.engine_run`, ``executor: ray``) on
-the same tiny 8-layer Llama, compiled once per S (cached).
+the same tiny 32-layer Llama, compiled once per S (cached).
 
     python -m benchmarks.pipeline [--quick]
 """
@@ -27,7 +27,7 @@ GOAL = 0.9
 
 
 def compiled(stages: int, batch: int, max_seq_len: int, root: Path) -> Path:
-    """The tiny 8-layer Llama as one optimum artifact (S = 1) or S pipeline stages."""
+    """The tiny 32-layer Llama as one optimum artifact (S = 1) or S pipeline stages."""
     import os
 
     os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
@@ -35,13 +35,15 @@ def compiled(stages: int, batch: int, max_seq_len: int, root: Path) -> Path:
     from rbln_ray.vllm_plugin.artifact import is_compiled_dir
     from rbln_ray.vllm_plugin.loader import CompileSettings, resolve_compiled_dir
 
-    hf = build_tiny_model(family="llama", num_layers=8)
+    # 32 layers and an LM head worth ~2.4 layers, as Llama-3-8B's (the default --shape): the
+    # stages' layer split, made from this model, is then the one a Llama-3-8B would get.
+    hf = build_tiny_model(family="llama", num_layers=32, intermediate_size=448)
     settings = {"batch_size": batch, "max_seq_len": max_seq_len, "decoder_batch_sizes": (batch,)}
     if stages == 1:
         return resolve_compiled_dir(hf, CompileSettings(**settings))
     from rbln_ray.pipeline import compile_pipeline
 
-    out = root / f"tiny-llama-8l-b{batch}-s{stages}"
+    out = root / f"tiny-llama-32l-b{batch}-s{stages}"
     if not is_compiled_dir(out):
         compile_pipeline(hf, out, stages, **settings)
     return out

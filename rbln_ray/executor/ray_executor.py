@@ -17,6 +17,7 @@ for every step, so a dead worker must make that call raise, not hang. Two paths 
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 import time
 import weakref
@@ -132,6 +133,12 @@ class RBLNRayExecutor(Executor):
             self._start_monitor()
             self.collective_rpc("init_device")
             self.collective_rpc("load_model")
+            # Pipeline ranks: each knows its successor (vLLM's PP send/recv neighbours).
+            nexts = [
+                w.actor.execute_method.remote("set_next_stage", nxt.actor)
+                for w, nxt in zip(self._workers, self._workers[1:], strict=False)
+            ]
+            self._wait(nexts, None)
         except BaseException:
             self.shutdown()
             raise
@@ -241,20 +248,24 @@ class RBLNRayExecutor(Executor):
     def _run_step(
         self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None, non_block
     ) -> Any:
-        """Send one step through every pipeline rank in order: each rank's output ref is the
-        next rank's input, so Ray moves hidden states worker to worker; the engine waits
-        only for the last rank's (sampled) output. With S ranks and vLLM's batch queue of S,
-        every stage works on its own micro-batch at once."""
+        """Send one step into the pipeline: rank 0 runs it and hands it, with its hidden
+        states, straight to rank 1 (``PipelineWorker.execute_stage``), and so on; the engine
+        follows the chain of result refs to the last rank's sampled output. Hidden states and
+        control move worker to worker, one Ray call per stage boundary, never through the
+        engine; with S ranks and vLLM's batch queue of S, every stage works on its own
+        micro-batch at once."""
         self._raise_if_failed()
-        step = scheduler_output if len(self._workers) == 1 else ray.put(scheduler_output)
-        hidden = None
-        for worker in self._workers:
-            hidden = worker.actor.execute_method.remote(
-                "execute_stage", step, grammar_output, hidden
-            )
+        step: Any = scheduler_output
+        if len(self._workers) > 1:
+            # Pickled once here, forwarded as bytes rank to rank (each rank unpickles it):
+            # re-serialising the step at every stage boundary was most of a rank's host time.
+            step = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
+        ref = self._workers[0].actor.execute_method.remote(
+            "execute_stage", step, grammar_output, None
+        )
         if non_block:
-            return _RefsFuture(self, [hidden], True)
-        return self._wait([hidden], None)[0]
+            return _RefsFuture(self, [ref], True)
+        return self._wait([ref], None)[0]
 
     def _wait(self, refs: list[Any], timeout: float | None) -> list[Any]:
         """``ray.get`` that raises at once when any worker fails or the executor is failed."""
@@ -268,7 +279,9 @@ class RBLNRayExecutor(Executor):
             ready, pending = ray.wait(pending, num_returns=1, timeout=budget)
             for ref in ready:
                 self._get_one(ref)  # surfaces a worker's error or death now
-        return [self._get_one(ref) for ref in refs]
+        values = [self._get_one(ref) for ref in refs]
+        # A pipeline rank returns the next rank's result ref (ranks call each other).
+        return [self._wait([v], timeout)[0] if isinstance(v, ray.ObjectRef) else v for v in values]
 
     def _get_one(self, ref: Any) -> Any:
         try:

@@ -71,6 +71,14 @@ def _example_inputs(info, static: dict[str, Any]) -> list[Any]:
     return out
 
 
+def _lm_head_in_layers(text_config: Any) -> float:
+    """The LM head's weights in decoder layers' worth (what the last stage carries extra)."""
+    from rbln_ray.emulator.timing import ModelShape
+
+    shape = ModelShape.from_hf_config(text_config.to_dict())
+    return shape.vocab_size * shape.hidden_size / shape.layer_params
+
+
 def _copy_hf_files(hf_dir: Path, out: Path) -> None:
     """config, generation config and tokenizer files, so vLLM loads them from ``out``."""
     for path in hf_dir.iterdir():
@@ -123,7 +131,7 @@ def compile_pipeline(
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     text_config = model.config.get_text_config()
     num_layers = text_config.num_hidden_layers
-    ranges = split_layers(num_layers, stages)
+    ranges = split_layers(num_layers, stages, head_layers=_lm_head_in_layers(text_config))
 
     cls = getattr(orb, f"RBLN{arch}")
     kwargs: dict[str, Any] = {

@@ -104,18 +104,31 @@ def is_pipeline_dir(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Contiguous, as-even-as-possible layer ranges; earlier stages get the remainder.
+def split_layers(num_layers: int, stages: int, head_layers: float = 0.0) -> list[tuple[int, int]]:
+    """Contiguous layer ranges with the slowest stage as fast as possible.
 
-    Why even by layer count: decoder layers have equal cost, and stage 0 / the last stage
-    carry the embedding / LM head on top, which on small vocabularies is cheap.
+    Why by cost, not only by count: decoder layers cost the same, but the last stage also
+    runs the LM head, which on large vocabularies weighs several layers (Llama-3-8B's is
+    ~2.4 layers of weights), and a pipeline runs at its slowest stage's pace. ``head_layers``
+    is that cost in layers; 0 splits evenly, earlier stages taking the remainder.
     """
     if not 1 <= stages <= num_layers:
         raise ValueError(f"cannot split {num_layers} layers into {stages} stages")
-    base, extra = divmod(num_layers, stages)
+
+    def even(layers: int, parts: int) -> list[int]:
+        base, extra = divmod(layers, parts)
+        return [base + (1 if s < extra else 0) for s in range(parts)]
+
+    sizes = even(num_layers, stages)
+    if stages > 1 and head_layers > 0:
+
+        def slowest(last: int) -> float:
+            return max(-(-(num_layers - last) // (stages - 1)), last + head_layers)
+
+        last = min(range(1, num_layers - stages + 2), key=lambda m: (slowest(m), -m))
+        sizes = even(num_layers - last, stages - 1) + [last]
     ranges, start = [], 0
-    for s in range(stages):
-        end = start + base + (1 if s < extra else 0)
-        ranges.append((start, end))
-        start = end
+    for size in sizes:
+        ranges.append((start, start + size))
+        start += size
     return ranges

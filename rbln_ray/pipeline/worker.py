@@ -6,14 +6,20 @@ runs its own layers with the unchanged ``RBLNModelRunner`` over a
 :class:`~rbln_ray.pipeline.stage.StageModel`. The first rank embeds token ids, every later one
 takes the previous rank's hidden states, and the last one samples; ranks before the last
 learn the sampled tokens from the next scheduler output (vLLM's pipeline-parallel contract).
-``RBLNRayExecutor`` passes each rank's output to the next as a Ray object reference, so
-hidden states move worker to worker, never through vLLM's engine process, and vLLM's batch
-queue keeps one micro-batch in every stage.
+Each rank hands the step and its hidden states straight to the next rank's actor, so they
+move worker to worker, never through vLLM's engine process, and vLLM's batch queue keeps one
+micro-batch in every stage.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 
 from rbln_ray.pipeline.stage import StageModel
 from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner
@@ -26,6 +32,7 @@ class PipelineWorker(RBLNWorker):
     """Loads stage ``rank`` of a staged artifact and runs it as pipeline rank ``rank``."""
 
     stage: StageModel
+    next_stage: Any = None  # the Ray actor of rank + 1 (None on the last rank)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         from rbln_ray.emulator import ensure_runtime
@@ -41,6 +48,33 @@ class PipelineWorker(RBLNWorker):
             first_stage=self.rank == 0,
             last_stage=self.rank == self.artifact.num_stages - 1,
         )
+
+    def set_next_stage(self, actor: Any) -> None:
+        """The successor rank's actor (the executor wires every rank to the next)."""
+        self.next_stage = actor
+
+    def execute_stage(  # type: ignore[override]
+        self,
+        step: bytes,
+        grammar_output: GrammarOutput | None,
+        hidden: np.ndarray | None = None,
+    ) -> Any:
+        """This rank's share of one step, then the step goes to the next rank directly: the
+        returned ref resolves to the last rank's output. Returning at once (not waiting for
+        the next rank) frees this stage for the next micro-batch.
+
+        The step arrives pickled once by the executor and is forwarded as the same bytes;
+        hidden states travel as numpy arrays, which Ray serialises without pickling (a torch
+        tensor goes through ``torch.save``). Re-serialising both at every boundary was, when
+        measured, half of a rank's host time per step.
+        """
+        scheduler_output: SchedulerOutput = pickle.loads(step)  # from our own executor
+        x = None if hidden is None else torch.from_numpy(hidden.copy())
+        output = super().execute_stage(scheduler_output, grammar_output, x)
+        if self.next_stage is None:
+            return output
+        out = None if output is None else output.numpy()
+        return self.next_stage.execute_method.remote("execute_stage", step, grammar_output, out)
 
     def step_stats(self) -> dict:
         return {**super().step_stats(), "stage_device_seconds": self.stage.device_seconds}
