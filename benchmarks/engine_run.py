@@ -81,15 +81,32 @@ def _params(spec: dict, n: int, output_len: int, jitter: float) -> list:
     ]
 
 
+def _engine_core_cpu_s() -> float:
+    """CPU seconds used so far by vLLM's engine-core process (a child of this one)."""
+    import psutil
+
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
+                times = child.cpu_times()
+                total += times.user + times.system
+        except psutil.Error:
+            continue
+    return total
+
+
 def _generate(llm, spec: dict, prompts: list[list[int]], output_len: int, jitter: float) -> dict:
     rbln = spec["backend"] == "rbln"
     if rbln:
         llm.collective_rpc("emulator_calls_reset")
         before = llm.collective_rpc("step_stats")[0]
     params = _params(spec, len(prompts), output_len, jitter)
+    cpu_before = _engine_core_cpu_s()
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
     elapsed = time.perf_counter() - start
+    engine_cpu = _engine_core_cpu_s() - cpu_before
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {
         "elapsed_s": elapsed,
@@ -98,6 +115,8 @@ def _generate(llm, spec: dict, prompts: list[list[int]], output_len: int, jitter
         "req_per_s": len(outs) / elapsed,
         "output_tok_per_s": out_tokens / elapsed,
         "total_tok_per_s": (out_tokens + sum(len(p) for p in prompts)) / elapsed,
+        "engine_core_cpu_s": engine_cpu,
+        "engine_core_cpu_share": engine_cpu / elapsed,
     }
     if rbln:
         stats = _rbln_stats(llm.collective_rpc)
