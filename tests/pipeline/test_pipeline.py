@@ -190,7 +190,7 @@ def test_continuous_batching_32_requests_two_stages(cluster, artifacts) -> None:
     # Two micro-batches in flight (vLLM's batch queue of S = 2): more requests decode at once
     # than one compiled batch holds.
     live: dict[str, tuple[int, int]] = {}
-    for step, kind, ids in history:
+    for step, _kind, ids in history:
         for req in ids:
             first, _ = live.get(req, (step, step))
             live[req] = (first, step)
