@@ -159,7 +159,7 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 def compiled_artifact(hf_dir: Path, batch: int, max_seq_len: int = 1024) -> Path:
     """``hf_dir`` compiled by rbln-ray's compile path at ``batch`` (cached by rbln-ray)."""
     os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
-    from rbln_ray.vllm_plugin.loader import CompileSettings, resolve_compiled_dir
+    from rbln_ray.compile import CompileSettings, resolve_compiled_dir
 
     sizes = tuple(sorted({batch, *(b for b in (1, 2, 4) if b < batch)}, reverse=True))
     settings = CompileSettings(batch_size=batch, max_seq_len=max_seq_len, decoder_batch_sizes=sizes)

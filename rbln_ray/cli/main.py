@@ -6,12 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from rbln_ray.logging_setup import setup_logging
+from rbln_ray.common.logging_setup import setup_logging
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from rbln_ray.cli.runtime_choice import choose_runtime
-    from rbln_ray.emulator import compile_hf_model
+    from rbln_ray.compile import compile_hf_model
 
     choose_runtime()
     sizes = (
@@ -35,7 +35,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
             return 2
         settings["kvcache_num_blocks"] = args.kvcache_num_blocks
     if args.pipeline_stages > 1:
-        from rbln_ray.pipeline import compile_pipeline
+        from rbln_ray.compile import compile_pipeline
 
         out = compile_pipeline(args.hf_dir, args.out_dir, args.pipeline_stages, **settings)
         print(f"{args.pipeline_stages}-stage pipeline written to {out}")

@@ -5,8 +5,8 @@
     rbln-ray plan --params 8e9 --layers 32 --hidden 4096 --kv-bytes-per-token 131072 ...
     rbln-ray plan --model path/to/hf_dir ... --json
 
-Estimates come from the emulator's timing model of the chosen device (ATOM by default, or
-REBEL; rbln_ray.emulator.timing lists which figures are published and which are
+Estimates come from the cost model of the chosen device (ATOM by default, or
+REBEL; rbln_ray.npu.cost_model lists which figures are published and which are
 assumptions); the hardware flags below override the device's figures.
 """
 
@@ -16,8 +16,8 @@ import argparse
 import json
 from dataclasses import replace
 
-from rbln_ray.emulator import device_kinds
-from rbln_ray.emulator.timing import PRESETS, SPECS, DeviceSpec, shape_from_spec
+from rbln_ray.npu import kinds
+from rbln_ray.npu.cost_model import PRESETS, SPECS, DeviceSpec, shape_from_spec
 from rbln_ray.planning import Limits, Plan, Workload, plan, shape_from_dims
 
 
@@ -41,11 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--tpot-slo-ms", type=float)
     w.add_argument("--ttft-slo-ms", type=float)
     w.add_argument("--host-ms-per-step", type=float, default=0.0)
-    h = p.add_argument_group("hardware model (default: the device's figures; see timing.py)")
+    h = p.add_argument_group(
+        "hardware model (default: the device's figures; see rbln_ray/npu/cost_model.py)"
+    )
     h.add_argument(
         "--device",
         choices=sorted(SPECS),
-        help=f"device kind to plan for (default: {device_kinds.KIND_ENV}, else atom)",
+        help=f"device kind to plan for (default: {kinds.KIND_ENV}, else atom)",
     )
     h.add_argument("--dram-gbps", type=float)
     h.add_argument("--peak-tflops", type=float)
@@ -98,7 +100,7 @@ def build(args: argparse.Namespace) -> Plan:
         tpot_slo_ms=args.tpot_slo_ms,
         ttft_slo_ms=args.ttft_slo_ms,
         host_ms_per_step=args.host_ms_per_step,
-        prefill_chunk=device_kinds.kind_by_name(spec.name).prefill_chunk,
+        prefill_chunk=kinds.kind_by_name(spec.name).prefill_chunk,
     )
     return plan(shape, work, spec, limits)
 
@@ -114,8 +116,8 @@ def render(result: Plan, show_all: bool = False) -> str:
         f"{device} model: {result.spec['peak_flops'] / 1e12:g} TFLOPS x "
         f"{result.spec['compute_eff']}, {result.spec['dram_bytes_per_s'] / 1e9:g} GB/s x "
         f"{result.spec['dram_eff']}, {result.spec['call_overhead_s'] * 1e6:g} us/call, "
-        f"{result.spec['dram_capacity'] / 2**30:.1f} GiB usable (see timing.py for which "
-        "figures are published and which assumed)",
+        f"{result.spec['dram_capacity'] / 2**30:.1f} GiB usable (rbln_ray/npu/cost_model.py "
+        "says which figures are published and which assumed)",
         "",
     ]
     header = (

@@ -18,8 +18,8 @@ DEMO_COMPILE = {"batch_size": 4, "max_seq_len": 1024, "decoder_batch_sizes": (4,
 
 def prepare_models(config: AppConfig) -> AppConfig:
     """Train/compile in the foreground (with progress) so replicas start from artifacts."""
+    from rbln_ray.compile import CompileSettings, resolve_compiled_dir
     from rbln_ray.models import demo_model_dir
-    from rbln_ray.vllm_plugin.loader import CompileSettings, resolve_compiled_dir
 
     models = []
     for m in config.models:

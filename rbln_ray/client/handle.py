@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rbln_ray.serve.naming import APP_NAME, server_deployment_name
+
 
 class RBLNRequestError(RuntimeError):
     """The server rejected or failed a request; ``code`` is the HTTP-equivalent status."""
@@ -49,11 +51,9 @@ def _sse_payloads(chunk: str) -> Iterator[dict[str, Any]]:
 class RBLNClient:
     """Completions and chat for one served model, through Ray Serve handles."""
 
-    def __init__(self, model: str, app_name: str = "rbln-ray", address: str | None = None) -> None:
+    def __init__(self, model: str, app_name: str = APP_NAME, address: str | None = None) -> None:
         import ray
         from ray import serve
-
-        from rbln_ray.serve.builder import server_deployment_name
 
         if not ray.is_initialized():
             ray.init(address=address or "auto", log_to_driver=False)

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from rbln_ray.emulator import device_kinds
+from rbln_ray.common.dtypes import torch_dtype
+from rbln_ray.npu import kinds
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +36,6 @@ _SHARED_WEIGHTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 def _align(n: int) -> int:
     return int(math.ceil(n / _ALIGN) * _ALIGN)
-
-
-def _dtype(name: Any) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    return getattr(torch, str(name).replace("torch.", ""))
 
 
 @dataclass
@@ -97,9 +92,9 @@ class RBLNCompiledModel:
         inputs, kv = [], {}
         for name, shape, dtype in input_info:
             if name in static:
-                kv[name] = (list(shape), str(_dtype(dtype)).replace("torch.", ""))
+                kv[name] = (list(shape), str(torch_dtype(dtype)).replace("torch.", ""))
             else:
-                inputs.append((name, list(shape), str(_dtype(dtype)).replace("torch.", "")))
+                inputs.append((name, list(shape), str(torch_dtype(dtype)).replace("torch.", "")))
         if group.weights_owner is None:
             group.weights_owner = graph_id
         snap = _snapshot(module).eval()
@@ -159,20 +154,20 @@ class RBLNCompiledModel:
         return self._p.get("npu")
 
     @property
-    def kind(self) -> device_kinds.DeviceKind:
+    def kind(self) -> kinds.DeviceKind:
         """The NPU family compiled for (this process's kind when no NPU was named)."""
-        return device_kinds.kind_by_name(self.npu) if self.npu else device_kinds.current()
+        return kinds.kind_by_name(self.npu) if self.npu else kinds.current()
 
     def kv_bytes(self) -> dict[str, int]:
         return {
-            name: math.prod(shape) * torch.empty((), dtype=_dtype(d)).element_size()
+            name: math.prod(shape) * torch.empty((), dtype=torch_dtype(d)).element_size()
             for name, (shape, d) in self._p["kv"].items()
         }
 
     def program_bytes(self) -> int:
         """A stand-in for instructions + activations: 2 MiB plus 16x the non-KV I/O."""
         io = sum(
-            math.prod(s) * torch.empty((), dtype=_dtype(d)).element_size()
+            math.prod(s) * torch.empty((), dtype=torch_dtype(d)).element_size()
             for _, s, d in self._p["inputs"]
         )
         return _align(2**21 + 16 * io)

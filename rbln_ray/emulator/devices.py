@@ -15,7 +15,7 @@ Ownership: one lock file per (node, physical device) under
 (released by the kernel when the holder dies) and containing the holder's pid and memory use.
 A process may open many runtimes on a device it holds; another live process may not.
 
-Memory: each device has the DRAM budget of its kind (:mod:`rbln_ray.emulator.device_kinds`:
+Memory: each device has the DRAM budget of its kind (:mod:`rbln_ray.npu.kinds`:
 ATOM 16 GiB - 288 MiB; REBEL 4 chiplets x (36 GiB - 1 GiB)). Charges are split evenly over a
 device's chiplets and each chiplet is checked against its own budget, as optimum-rbln does
 when it sizes the KV cache.
@@ -33,7 +33,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from rbln_ray.emulator import device_kinds
+from rbln_ray.common import envs
+from rbln_ray.common.paths import cache_root
+from rbln_ray.npu import kinds
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ class DeviceError(RuntimeError):
 
 def physical_count() -> int:
     """Emulated devices per node (``RBLN_RAY_EMULATED_DEVICES``, default 4)."""
-    return int(os.environ.get("RBLN_RAY_EMULATED_DEVICES", "4"))
+    return int(envs.get("RBLN_RAY_EMULATED_DEVICES"))
 
 
 def node_id() -> str:
@@ -62,7 +64,7 @@ def node_id() -> str:
                 return str(ray.get_runtime_context().get_node_id())
         except Exception:  # noqa: BLE001 - a half-initialised Ray must not break device lookup
             logger.debug("could not read the Ray node id", exc_info=True)
-    return os.environ.get("RBLN_RAY_NODE_ID") or "local"
+    return envs.get("RBLN_RAY_NODE_ID") or "local"
 
 
 def _visible_spec() -> tuple[str, str] | None:
@@ -107,11 +109,8 @@ def to_physical(logical: int) -> int:
 
 
 def lock_dir(node: str | None = None) -> Path:
-    base = os.environ.get("RBLN_RAY_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rbln-ray"
-    )
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", node or node_id())
-    return Path(base) / "device-locks" / safe
+    return cache_root() / "device-locks" / safe
 
 
 def _pid_alive(pid: int) -> bool:
@@ -130,7 +129,7 @@ class _Held:
     pid: int
     refs: int
     used: dict[str, list[int]]  # owner -> bytes per chiplet
-    kind: device_kinds.DeviceKind
+    kind: kinds.DeviceKind
 
     def chiplet_use(self) -> list[int]:
         return [sum(per[i] for per in self.used.values()) for i in range(self.kind.chiplets)]
@@ -165,9 +164,7 @@ class _Ledger:
                     f"RBLN device {physical} on node {key[0]!r} is held by process {owner}; "
                     f"process {os.getpid()} cannot open a runtime on it (one process per device)"
                 ) from None
-            self._held[key] = _Held(
-                fd=fd, pid=os.getpid(), refs=1, used={}, kind=device_kinds.current()
-            )
+            self._held[key] = _Held(fd=fd, pid=os.getpid(), refs=1, used={}, kind=kinds.current())
             self._write(key)
             return key
 
@@ -268,7 +265,7 @@ def list_devices(node: str | None = None) -> list[DeviceInfo]:
     """
     node = node or node_id()
     visible = set(visible_physical_ids())
-    kind = device_kinds.current()
+    kind = kinds.current()
     rows = []
     for physical in range(physical_count()):
         path = lock_dir(node) / f"{physical}.lock"
@@ -282,7 +279,7 @@ def list_devices(node: str | None = None) -> list[DeviceInfo]:
             pid, used = info.get("pid"), int(info.get("used", 0))
             pid = pid if isinstance(pid, int) and _pid_alive(pid) else None
             if info.get("npu"):
-                held_kind = device_kinds.kind_by_name(str(info["npu"]))
+                held_kind = kinds.kind_by_name(str(info["npu"]))
                 name, total = held_kind.npu_name, held_kind.dram_total
         else:
             pid, used = None, 0

@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 
-from rbln_ray.emulator import device_kinds, devices, reports, threads, timing
-from rbln_ray.emulator.compiled_model import RBLNCompiledModel, _dtype
+from rbln_ray.common.dtypes import torch_dtype
+from rbln_ray.emulator import call_log, devices, reports, threads, timing
+from rbln_ray.emulator.compiled_model import RBLNCompiledModel
 from rbln_ray.emulator.kv_host import KVHostTransfer, check_blocks, check_slots
+from rbln_ray.npu import kinds
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ class _Load:
                 )
             return existing
         with torch.inference_mode(False):
-            tensor = torch.zeros(shape, dtype=_dtype(dtype))
+            tensor = torch.zeros(shape, dtype=torch_dtype(dtype))
         self.buffers[name] = tensor
         return tensor
 
@@ -106,12 +108,12 @@ def _devices_for(device: int | Sequence[int] | None, num_devices: int) -> list[i
 
 def _check_npu(cm: RBLNCompiledModel) -> None:
     """A graph compiled for one NPU family does not run on another (as on hardware)."""
-    here = device_kinds.current()
-    if cm.npu and device_kinds.kind_by_name(cm.npu) != here:
+    here = kinds.current()
+    if cm.npu and kinds.kind_by_name(cm.npu) != here:
         raise devices.DeviceError(
             f"{cm!r} was compiled for {cm.npu} but this node's emulated devices are "
-            f"{here.npu_name} ({device_kinds.KIND_ENV}={here.family.lower()}); recompile for "
-            f"{here.npu_name} or set {device_kinds.KIND_ENV}"
+            f"{here.npu_name} ({kinds.KIND_ENV}={here.family.lower()}); recompile for "
+            f"{here.npu_name} or set {kinds.KIND_ENV}"
         )
 
 
@@ -185,7 +187,7 @@ class Runtime(KVHostTransfer):
             with torch.no_grad(), threads.device_threads():
                 result = self._module(*inputs, *self._kv)
             outputs = list(result) if isinstance(result, (tuple, list)) else [result]
-            timing.record_call(start, inputs)
+            call_log.record_call(start, inputs)
         computed = time.perf_counter()
         if out is not None:
             targets = out if isinstance(out, (list, tuple)) else [out]
@@ -230,7 +232,7 @@ class Runtime(KVHostTransfer):
         if src != dst and length > 0:
             for buf in self._kv:
                 buf[dst, ..., :length, :] = buf[src, ..., :length, :]
-        timing.record_copy(start)
+        call_log.record_copy(start)
 
     @property
     def kv_buffers(self) -> dict[str, torch.Tensor]:

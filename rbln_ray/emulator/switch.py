@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Literal
 
+from rbln_ray.common import envs
+
 logger = logging.getLogger(__name__)
 
 MODE_ENV = "RBLN_RAY_DEVICE"
@@ -42,7 +44,7 @@ class RuntimeSelectionError(RuntimeError):
 
 
 def mode() -> Mode:
-    value = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
+    value = envs.get(MODE_ENV)
     if value not in MODES:
         raise RuntimeSelectionError(f"{MODE_ENV}={value!r}; expected one of {', '.join(MODES)}")
     return value  # type: ignore[return-value]
@@ -114,3 +116,14 @@ def ensure_runtime() -> Literal["rbln", "emulated", "none"]:
     if is_emulated():
         return "emulated"
     return "rbln" if real_rebel_spec() is not None else "none"
+
+
+def require_runtime(purpose: str) -> Literal["rbln", "emulated"]:
+    """:func:`ensure_runtime`, raising when there is none: ``purpose`` says what needed it."""
+    runtime = ensure_runtime()
+    if runtime == "none":
+        raise RuntimeSelectionError(
+            f"no RBLN runtime in this process to {purpose}: install rebel-compiler (RBLN host) "
+            f"or set {MODE_ENV}=emulated to use the CPU emulator"
+        )
+    return runtime

@@ -19,22 +19,18 @@ of one process share the setting (they ask for the same number, so that is harml
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
+
+from rbln_ray.common import envs
 
 THREADS_ENV = "RBLN_RAY_EMULATOR_THREADS"
 
 
 def wanted() -> int | None:
-    raw = os.environ.get(THREADS_ENV, "").strip()
-    if not raw:
-        return None
-    value = int(raw)
-    if value < 1:
-        raise ValueError(f"{THREADS_ENV}={raw!r}: must be a positive integer")
-    return value
+    """``RBLN_RAY_EMULATOR_THREADS`` (None: leave torch's thread count alone)."""
+    return envs.get(THREADS_ENV)
 
 
 @contextlib.contextmanager

@@ -33,34 +33,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from rbln_ray.executor.cluster import RAY_ADDRESS_KEY, remember_driver_cluster
-from rbln_ray.executor.placement import (
-    STRATEGY_KEY,
-    TIMEOUT_KEY,
-    PlacementError,
-    PlacementPlan,
-    num_workers,
-)
+from rbln_ray.executor.placement import PlacementError, PlacementPlan, num_workers
 
 if TYPE_CHECKING:
     from rbln_ray.executor.ray_executor import RBLNRayExecutor, RBLNWorkerDiedError
 
 __all__ = [
-    "RAY_ADDRESS_KEY",
-    "STRATEGY_KEY",
-    "TIMEOUT_KEY",
     "PlacementError",
     "PlacementPlan",
     "RBLNRayExecutor",
     "RBLNWorkerDiedError",
     "num_workers",
-    "remember_driver_cluster",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    # The executor imports Ray and vLLM; keep ``remember_driver_cluster`` (called from the
-    # platform's config hook) cheap to import.
+    # The executor imports Ray and vLLM: only when asked for.
     if name in ("RBLNRayExecutor", "RBLNWorkerDiedError"):
         from rbln_ray.executor import ray_executor
 

@@ -12,18 +12,15 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rbln_ray.vllm_plugin.options import TIMEOUT_KEY, RBLNOptions
+
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
     from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
 
-DEVICE_KEY = "RBLN"
-STRATEGY_KEY = "rbln_placement_strategy"
-TIMEOUT_KEY = "rbln_placement_timeout_s"
-DEFAULT_STRATEGY = "PACK"
-DEFAULT_TIMEOUT_S = 60.0
-STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+DEVICE_KEY = "RBLN"  # Ray's built-in resource name for RBLN NPUs
 
 
 class PlacementError(RuntimeError):
@@ -47,17 +44,18 @@ class PlacementPlan:
 
     num_workers: int
     devices_per_worker: int
-    strategy: str = DEFAULT_STRATEGY
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    strategy: str = RBLNOptions.placement_strategy
+    timeout_s: float = RBLNOptions.placement_timeout_s
 
     @classmethod
     def from_config(cls, vllm_config: VllmConfig, devices_per_worker: int) -> PlacementPlan:
-        extra = vllm_config.additional_config or {}
-        strategy = str(extra.get(STRATEGY_KEY, DEFAULT_STRATEGY)).upper()
-        if strategy not in STRATEGIES:
-            raise ValueError(f"{STRATEGY_KEY}={strategy!r}; expected one of {STRATEGIES}")
-        timeout_s = float(extra.get(TIMEOUT_KEY, DEFAULT_TIMEOUT_S))
-        return cls(num_workers(vllm_config), devices_per_worker, strategy, timeout_s)
+        options = RBLNOptions.from_vllm_config(vllm_config)
+        return cls(
+            num_workers(vllm_config),
+            devices_per_worker,
+            options.placement_strategy,
+            options.placement_timeout_s,
+        )
 
     def bundles(self) -> list[dict[str, float]]:
         return [

@@ -6,13 +6,12 @@
 
 from rbln_ray.models.builder import FAMILIES, TinyModelSpec, build_tiny_model
 from rbln_ray.models.demo import demo_model_dir
-from rbln_ray.models.tokenizer import build_tokenizer, cache_dir
+from rbln_ray.models.tokenizer import build_tokenizer
 
 __all__ = [
     "FAMILIES",
     "TinyModelSpec",
     "build_tiny_model",
     "build_tokenizer",
-    "cache_dir",
     "demo_model_dir",
 ]

@@ -14,7 +14,8 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rbln_ray.models.tokenizer import atomic_dir, build_tokenizer, cache_dir
+from rbln_ray.common.paths import atomic_dir, cache_dir
+from rbln_ray.models.tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rbln_ray.common.paths import atomic_dir, cache_dir
 from rbln_ray.models.builder import TinyModelSpec, make_config
-from rbln_ray.models.tokenizer import atomic_dir, build_tokenizer, cache_dir, corpus_files
+from rbln_ray.models.tokenizer import build_tokenizer, corpus_files
 
 logger = logging.getLogger(__name__)
 

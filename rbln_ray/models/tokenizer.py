@@ -7,13 +7,11 @@ Python version always yields the same tokenizer.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import shutil
 import sysconfig
-from collections.abc import Iterator
 from pathlib import Path
+
+from rbln_ray.common.paths import atomic_dir, cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -24,16 +22,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 TOKENIZER_VERSION = "v1"
-
-
-def cache_dir() -> Path:
-    """Root of rbln-ray's user cache (``RBLN_RAY_CACHE`` overrides ``~/.cache/rbln-ray``)."""
-    root = os.environ.get("RBLN_RAY_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rbln-ray"
-    )
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def corpus_files(max_bytes: int = 4_000_000, offset_files: int = 0) -> list[Path]:
@@ -79,24 +67,3 @@ def build_tokenizer(vocab_size: int = 4096, out_dir: Path | None = None) -> Path
     with atomic_dir(out) as tmp:
         fast.save_pretrained(tmp)
     return out
-
-
-@contextlib.contextmanager
-def atomic_dir(final: Path) -> Iterator[Path]:
-    """Yield a temporary sibling directory and rename it to ``final`` when done.
-
-    Concurrent builders (several test processes, Ray actors) never see a half-written
-    directory; if another process won the race, its result is kept.
-    """
-    tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not final.exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

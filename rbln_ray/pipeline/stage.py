@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rbln_ray.pipeline.manifest import PipelineManifest, StageSpec
+from rbln_ray.compile.pipeline_manifest import PipelineManifest, StageSpec
 
 logger = logging.getLogger(__name__)
 

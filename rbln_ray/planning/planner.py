@@ -24,7 +24,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rbln_ray.emulator.timing import (
+from rbln_ray.npu.cost_model import (
     DeviceSpec,
     ModelShape,
     Row,

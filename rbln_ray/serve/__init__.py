@@ -9,8 +9,19 @@ this package keeps Serve LLM's shape (ingress + one server deployment per model,
 OpenAI serving layer inside the replica) in a few hundred lines against the pinned vLLM.
 """
 
-from rbln_ray.serve.builder import APP_NAME, build_app
-from rbln_ray.serve.config import AppConfig, ModelDeploymentConfig, embedded_default, load_config
+from __future__ import annotations
+
+from typing import Any
+
+from rbln_ray.serve.naming import APP_NAME, server_deployment_name
+
+_LAZY = {
+    "build_app": "rbln_ray.serve.builder",
+    "AppConfig": "rbln_ray.serve.config",
+    "ModelDeploymentConfig": "rbln_ray.serve.config",
+    "embedded_default": "rbln_ray.serve.config",
+    "load_config": "rbln_ray.serve.config",
+}
 
 __all__ = [
     "APP_NAME",
@@ -19,4 +30,15 @@ __all__ = [
     "build_app",
     "embedded_default",
     "load_config",
+    "server_deployment_name",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The builder imports FastAPI, vLLM and Ray Serve: only when asked for, so that
+    # ``rbln_ray.serve.naming`` (the client's one need) stays light.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,22 +14,18 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from rbln_ray.compile import CompileSettings
+from rbln_ray.compile.artifact import CompiledArtifact, is_compiled_dir
 from rbln_ray.serve.capacity import ReplicaShape, first_attempt_started, wait_placeable
 from rbln_ray.serve.config import DEMO_MODEL, AppConfig, ModelDeploymentConfig, load_config
 from rbln_ray.serve.ingress import OpenAIIngress, app
 from rbln_ray.serve.metrics import MetricsHub
+from rbln_ray.serve.naming import server_deployment_name
 from rbln_ray.serve.server import LLMServer
-from rbln_ray.vllm_plugin.artifact import CompiledArtifact, is_compiled_dir
-from rbln_ray.vllm_plugin.loader import CompileSettings
 
 logger = logging.getLogger(__name__)
 
-APP_NAME = "rbln-ray"
 INGRESS_NAME = "OpenAIIngress"
-
-
-def server_deployment_name(model_name: str) -> str:
-    return f"LLMServer:{model_name}"
 
 
 def served_artifact(cfg: ModelDeploymentConfig) -> CompiledArtifact | None:

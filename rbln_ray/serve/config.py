@@ -96,7 +96,7 @@ class ModelDeploymentConfig(_Strict):
     @field_validator("compile")
     @classmethod
     def _compile_settings(cls, value: dict[str, Any]) -> dict[str, Any]:
-        from rbln_ray.vllm_plugin.loader import CompileSettings
+        from rbln_ray.compile import CompileSettings
 
         CompileSettings.from_dict(value)  # raises naming unknown or invalid settings
         return value

@@ -37,8 +37,7 @@ def engine_namespace(cfg: ModelDeploymentConfig, model_path: str):
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from rbln_ray.executor import STRATEGY_KEY, TIMEOUT_KEY
-    from rbln_ray.vllm_plugin.platform import COMPILE_SETTINGS_KEY
+    from rbln_ray.vllm_plugin.options import COMPILE_KEY, STRATEGY_KEY, TIMEOUT_KEY
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(
         ["--model", model_path, "--served-model-name", cfg.name]
@@ -50,7 +49,7 @@ def engine_namespace(cfg: ModelDeploymentConfig, model_path: str):
     args.distributed_executor_backend = "rbln_ray.executor.RBLNRayExecutor"
     args.additional_config = {
         **(args.additional_config or {}),
-        COMPILE_SETTINGS_KEY: cfg.compile,
+        COMPILE_KEY: cfg.compile,
         STRATEGY_KEY: cfg.placement_strategy,
         TIMEOUT_KEY: cfg.placement_timeout_s,
     }
@@ -68,8 +67,8 @@ class LLMServer:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from rbln_ray.common.logging_setup import setup_logging
         from rbln_ray.emulator import ensure_runtime
-        from rbln_ray.logging_setup import setup_logging
 
         setup_logging()
         ensure_runtime()

@@ -17,8 +17,8 @@ def register() -> str | None:
     environment is unaffected. Activating here also makes ``rebel`` importable in vLLM's
     spawned engine process before anything imports optimum-rbln.
     """
+    from rbln_ray.common.logging_setup import setup_logging
     from rbln_ray.emulator import ensure_runtime
-    from rbln_ray.logging_setup import setup_logging
 
     setup_logging()
     runtime = ensure_runtime()

@@ -16,13 +16,15 @@ chunked prefill work on RBLN.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from vllm.platforms.cpu import CpuPlatform
 
-from rbln_ray.vllm_plugin.artifact import CompiledArtifact
+from rbln_ray.compile.artifact import CompiledArtifact
+from rbln_ray.vllm_plugin.driver_cluster import remember_driver_cluster
 from rbln_ray.vllm_plugin.kv_blocks import BlockLayout
-from rbln_ray.vllm_plugin.options import RBLNOptions
+from rbln_ray.vllm_plugin.options import COMPILED_DIR_KEY, RBLNOptions, record
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -30,13 +32,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WORKER_CLS = "rbln_ray.vllm_plugin.worker.RBLNWorker"
-PIPELINE_WORKER_CLS = "rbln_ray.pipeline.worker.PipelineWorker"
 SCHEDULER_CLS = "rbln_ray.vllm_plugin.scheduler.RBLNScheduler"
 ASYNC_SCHEDULER_CLS = "rbln_ray.vllm_plugin.scheduler.RBLNAsyncScheduler"
+# The layers above, named (vLLM's config takes qualnames) and never imported from here: the
+# platform chooses them, vLLM loads them in the processes that run them.
+PIPELINE_WORKER_CLS = "rbln_ray.pipeline.worker.PipelineWorker"
 RAY_EXECUTOR_CLS = "rbln_ray.executor.RBLNRayExecutor"
-# vllm_config.additional_config keys rbln-ray reads and writes.
-COMPILED_DIR_KEY = "rbln_compiled_dir"
-COMPILE_SETTINGS_KEY = "rbln_compile"
+RAY_EXECUTOR_PACKAGE = "rbln_ray.executor"
 
 
 class RBLNConfigError(ValueError):
@@ -45,22 +47,18 @@ class RBLNConfigError(ValueError):
 
 def compiled_artifact(vllm_config: VllmConfig) -> CompiledArtifact:
     """Resolve (compiling an HF directory on first use) and load the engine's artifact."""
-    from rbln_ray.vllm_plugin.loader import CompileSettings, resolve_compiled_dir
+    from rbln_ray.compile import resolve_compiled_dir
 
-    extra = vllm_config.additional_config
-    if not isinstance(extra, dict):
-        raise RBLNConfigError("additional_config must be a dict for the RBLN platform")
-    compiled = extra.get(COMPILED_DIR_KEY)
+    options = RBLNOptions.from_vllm_config(vllm_config)
+    compiled = options.compiled_dir
     if compiled is None:
         model_config = vllm_config.model_config
-        settings = CompileSettings.from_dict(extra.get(COMPILE_SETTINGS_KEY))
+        settings = options.compile
         user_len = model_config.original_max_model_len
         if settings.max_seq_len is None and user_len and user_len > 0:
-            settings = CompileSettings.from_dict(
-                {**extra.get(COMPILE_SETTINGS_KEY, {}), "max_seq_len": user_len}
-            )
+            settings = replace(settings, max_seq_len=user_len)
         compiled = str(resolve_compiled_dir(model_config.model, settings))
-        extra[COMPILED_DIR_KEY] = compiled
+        record(vllm_config, COMPILED_DIR_KEY, compiled)
     return CompiledArtifact.load(compiled)
 
 
@@ -191,11 +189,9 @@ def _sync_parallel(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
         parallel.distributed_executor_backend = "uni"
     backend = parallel.distributed_executor_backend
     if backend == RAY_EXECUTOR_CLS or (
-        isinstance(backend, type) and backend.__module__.startswith("rbln_ray.executor")
+        isinstance(backend, type) and backend.__module__.startswith(RAY_EXECUTOR_PACKAGE)
     ):
         # The engine core starts in a new process: tell it which Ray cluster the driver uses.
-        from rbln_ray.executor.cluster import remember_driver_cluster
-
         remember_driver_cluster(vllm_config)
 
 
@@ -220,8 +216,8 @@ class RBLNPlatform(CpuPlatform):
 
         if vllm_config.model_config is None:
             return
-        art = compiled_artifact(vllm_config)
         RBLNOptions.from_vllm_config(vllm_config)  # invalid options fail here, in the driver
+        art = compiled_artifact(vllm_config)
         _sync_model_len(vllm_config, art)
         _sync_kv_cache(vllm_config, art)
         _sync_scheduler(vllm_config, art)

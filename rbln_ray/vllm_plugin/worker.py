@@ -17,8 +17,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from rbln_ray.common import envs
+from rbln_ray.compile.artifact import CompiledArtifact
 from rbln_ray.emulator import is_emulated
-from rbln_ray.vllm_plugin.artifact import CompiledArtifact
 from rbln_ray.vllm_plugin.loader import load_compiled_model
 from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner
 from rbln_ray.vllm_plugin.platform import block_layout, compiled_artifact
@@ -39,7 +40,7 @@ class RBLNWorker(WorkerBase):
         if is_emulated():
             # An emulated device computes on host cores; one thread each keeps several
             # emulated devices on a small host from fighting over OpenMP barriers.
-            torch.set_num_threads(int(os.environ.get("RBLN_RAY_EMULATOR_THREADS", "1")))
+            torch.set_num_threads(envs.get("RBLN_RAY_EMULATOR_THREADS") or 1)
         self.artifact = compiled_artifact(self.vllm_config)
         self.layout = block_layout(self.artifact)
         n = self.artifact.num_devices
@@ -103,6 +104,13 @@ class RBLNWorker(WorkerBase):
             return output
         return self.model_runner.sample_tokens(grammar_output)
 
+    def set_next_stage(self, actor: object) -> None:
+        """vLLM's pipeline-parallel contract: the successor rank (the executor wires every
+        rank but the last). A single-stage artifact has one rank, so none to wire."""
+        raise RuntimeError(
+            f"{self.artifact.path} is a single-stage artifact: its worker has no next stage"
+        )
+
     def step_stats(self) -> dict:
         """Runner counters (collective_rpc target for tests, benchmarks and /metrics)."""
         from dataclasses import asdict
@@ -118,7 +126,7 @@ class RBLNWorker(WorkerBase):
             "pid": os.getpid(),
             "rbln_devices": os.environ.get("RBLN_DEVICES"),
             "device_ids": self.device_ids,
-            "node": os.environ.get("RBLN_RAY_NODE_ID"),
+            "node": envs.get("RBLN_RAY_NODE_ID"),
         }
 
     def check_health(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from rbln_ray.cli.plan_cmd import main as plan_main
-from rbln_ray.emulator.timing import DEVICE_DRAM_BYTES, preset
+from rbln_ray.npu.cost_model import DEVICE_DRAM_BYTES, preset
 from rbln_ray.planning import Limits, Workload, plan, shape_from_dims
 
 GiB = 2**30

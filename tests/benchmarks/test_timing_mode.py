@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rbln_ray.emulator.timing import AtomSpec, Row, call_cost, preset
-from tests.conftest import compiled_model, run_script
+from rbln_ray.npu.cost_model import DeviceSpec, Row, call_cost, preset
+from tests.helpers import compiled_model, run_script
 
 
 def test_decode_call_sleeps_the_modelled_time() -> None:
@@ -17,7 +17,7 @@ def test_decode_call_sleeps_the_modelled_time() -> None:
         timeout=300,
         env={"RBLN_RAY_TIMING_SHAPE": "llama-3-8b"},
     )
-    modelled = call_cost(preset("llama-3-8b"), [Row(1, 100)] * 4, 4, AtomSpec()).seconds
+    modelled = call_cost(preset("llama-3-8b"), [Row(1, 100)] * 4, 4, DeviceSpec()).seconds
     assert "timing" in result["runtime_repr"]
     assert result["logits_all_zero"] and result["logits_shape"][-1] == 4096
     calls = [c for c in result["calls"] if c["kind"] == "decode"]

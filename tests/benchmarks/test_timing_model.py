@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rbln_ray.emulator.timing import AtomSpec, ModelShape, Row, call_cost, preset
+from rbln_ray.npu.cost_model import DeviceSpec, ModelShape, Row, call_cost, preset
 
 SHAPE = ModelShape(
     num_layers=2,
@@ -15,7 +15,7 @@ SHAPE = ModelShape(
     intermediate_size=128,
     vocab_size=256,
 )
-SPEC = AtomSpec(
+SPEC = DeviceSpec(
     peak_flops=1e12,
     dram_bytes_per_s=1e9,
     compute_eff=1.0,

@@ -19,7 +19,7 @@ if __name__ == "__main__":
     import torch
     from optimum.rbln import RBLNAutoModelForCausalLM
 
-    from rbln_ray.emulator import timing
+    from rbln_ray.emulator import call_log
 
     model = RBLNAutoModelForCausalLM.from_pretrained(sys.argv[1], export=False)
     decoder = model.decoders[4]
@@ -27,12 +27,12 @@ if __name__ == "__main__":
     pos = torch.full((4, 1), 100, dtype=torch.int32)
     tables = torch.arange(4, dtype=torch.int16).view(4, 1)
     first = decoder(input_ids=ids, cache_position=pos, block_tables=tables).logits
-    timing.reset()
+    call_log.reset()
     cpu0, wall0 = time.process_time(), time.perf_counter()
     for _ in range(3):
         decoder(input_ids=ids, cache_position=pos, block_tables=tables)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-    calls = timing.snapshot()["calls"]
+    calls = call_log.snapshot()["calls"]
     print(
         "RESULT "
         + json.dumps(

@@ -106,7 +106,6 @@ def _cmdline(pid: int) -> str:
     return raw.replace(b"\0", b" ").decode(errors="replace")
 
 
-
 def _is_zombie(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -252,9 +251,10 @@ class LoopbackHosts:
                 raise HostSetupError(f"sshd on {host.ip} exited: {host.log.read_text()[-2000:]}")
             if host.sshd_pid is None and (kids := _children(host.unshare.pid)):
                 host.sshd_pid, host.pid_ns = kids[0], _pid_ns(kids[0])
-            with contextlib.suppress(OSError), socket.create_connection(
-                (host.ip, self.port), timeout=2
-            ) as s:
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection((host.ip, self.port), timeout=2) as s,
+            ):
                 if s.recv(64).startswith(b"SSH-2.0") and host.sshd_pid is not None:
                     break
             if time.monotonic() > deadline:
@@ -280,9 +280,7 @@ class LoopbackHosts:
 
     def leftovers(self) -> dict[str, list[str]]:
         """Per host, what is still running there besides its sshd."""
-        return {
-            ip: host.describe(pids) for ip, host in self.hosts.items() if (pids := host.pids())
-        }
+        return {ip: host.describe(pids) for ip, host in self.hosts.items() if (pids := host.pids())}
 
     def wait_empty(self, timeout_s: float) -> dict[str, list[str]]:
         """Poll until no host runs anything but its sshd; return what is left at the deadline."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import compiled_model
+from tests.helpers import compiled_model, result_json, run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "cluster_up.py"
@@ -51,16 +50,11 @@ def alive(pids: list[int]) -> list[int]:
 
 
 def run_script(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict]:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    result, proc = run_python(
+        [str(SCRIPT), *args], timeout=timeout, tag="CLUSTER_RESULT", check=False
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CLUSTER_RESULT ")]
-    assert lines, (proc.stdout[-4000:], proc.stderr[-4000:])
-    return proc, json.loads(lines[-1][len("CLUSTER_RESULT ") :])
+    assert result is not None, (proc.stdout[-4000:], proc.stderr[-4000:])
+    return proc, result
 
 
 def test_cluster_bring_up_serves_across_raylets_and_tears_down():
@@ -135,8 +129,8 @@ def test_cluster_torn_down_when_interrupted():
             proc.kill()
     output.append(rest)
     text = "".join(output)
-    (line,) = [ln for ln in text.splitlines() if ln.startswith("CLUSTER_RESULT ")]
-    result = json.loads(line[len("CLUSTER_RESULT ") :])
+    result = result_json(text, "CLUSTER_RESULT")
+    assert result is not None, text[-4000:]
     assert proc.returncode == 1 and not result["ok"]
     assert "interrupted by SIGTERM" in result["error"]
     assert result["leftover_pids"] == []

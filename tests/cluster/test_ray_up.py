@@ -36,7 +36,7 @@ from tests.cluster.ray_up_cluster import (
     render_cluster_config,
     render_serve_config,
 )
-from tests.conftest import compiled_model
+from tests.helpers import compiled_model
 
 logger = logging.getLogger(__name__)
 

@@ -94,9 +94,12 @@ def test_stop_node_spares_itself_and_its_ancestors(tmp_path: Path, monkeypatch):
 def test_for_shared_host_replaces_only_rays_own_commands():
     assert for_shared_host("ray stop", STOP) == STOP
     stop_exec = "; ".join(
-        ["python job.py", "ray stop",
-         "ray teardown ~/ray_bootstrap_config.yaml --yes --workers-only",
-         "sudo shutdown -h now"]
+        [
+            "python job.py",
+            "ray stop",
+            "ray teardown ~/ray_bootstrap_config.yaml --yes --workers-only",
+            "sudo shutdown -h now",
+        ]
     )  # fmt: skip  (commands.exec_cluster with --stop)
     assert for_shared_host(stop_exec, STOP) == (
         f"python job.py; {STOP}; ray teardown ~/ray_bootstrap_config.yaml --yes --workers-only"

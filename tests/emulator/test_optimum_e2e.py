@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rbln_ray.emulator import compile_hf_model
-
-from .conftest import transformers_greedy
+from rbln_ray.compile import compile_hf_model
+from tests.helpers import hf_greedy
 
 NEW_TOKENS = 16
 RUNNER = Path(__file__).with_name("run_compiled.py")
@@ -98,6 +97,6 @@ def test_fresh_process_matches_transformers(compiled, tiny_models, tmp_path, fam
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    expected = [transformers_greedy(tiny_models[family], p, NEW_TOKENS) for p in prompts]
+    expected = hf_greedy(tiny_models[family], prompts, NEW_TOKENS)
     assert result["generate"] == expected
     assert result["serving"] == expected[:3]

@@ -17,17 +17,18 @@ import pytest
 import rebel
 import torch
 
-from rbln_ray.emulator import DeviceError, device_kinds, devices
-from rbln_ray.emulator.timing import REBEL_SPEC, DeviceSpec
-from tests.conftest import ROOT, compiled_model, greedy_request, hf_greedy, run_script
+from rbln_ray.emulator import DeviceError, devices
+from rbln_ray.npu import kinds
+from rbln_ray.npu.cost_model import REBEL_SPEC, DeviceSpec
+from tests.helpers import ROOT, compiled_model, greedy_request, hf_greedy, run_script
 
 GiB = 2**30
-REBEL_ENV = {device_kinds.KIND_ENV: "rebel"}
+REBEL_ENV = {kinds.KIND_ENV: "rebel"}
 
 
 @pytest.fixture
 def on_rebel(monkeypatch):
-    monkeypatch.setenv(device_kinds.KIND_ENV, "rebel")
+    monkeypatch.setenv(kinds.KIND_ENV, "rebel")
 
 
 def _tiny_graph(npu: str | None):
@@ -43,22 +44,22 @@ def _tiny_graph(npu: str | None):
 
 
 def test_kind_is_chosen_by_env_and_reported_by_rebel(monkeypatch):
-    monkeypatch.delenv(device_kinds.KIND_ENV, raising=False)
+    monkeypatch.delenv(kinds.KIND_ENV, raising=False)
     assert rebel.get_npu_name(0) == "RBLN-CA25"
     for value in ("rebel", "REBEL", "RBLN-CR13"):
-        monkeypatch.setenv(device_kinds.KIND_ENV, value)
+        monkeypatch.setenv(kinds.KIND_ENV, value)
         assert rebel.get_npu_name(0) == "RBLN-CR13"
-    monkeypatch.setenv(device_kinds.KIND_ENV, "gaudi")
-    with pytest.raises(device_kinds.DeviceKindError, match="RBLN_RAY_EMULATED_NPU='gaudi'.*rebel"):
+    monkeypatch.setenv(kinds.KIND_ENV, "gaudi")
+    with pytest.raises(kinds.DeviceKindError, match="RBLN_RAY_EMULATED_NPU='gaudi'.*rebel"):
         rebel.get_npu_name(0)
 
 
 def test_budgets_are_optimum_rblns_own():
     from optimum.rbln.utils.runtime_utils import get_available_dram_per_chiplet
 
-    assert device_kinds.ATOM.chiplet_budget == get_available_dram_per_chiplet(1, "RBLN-CA25")
-    assert device_kinds.REBEL.chiplet_budget == get_available_dram_per_chiplet(4, "RBLN-CR13")
-    assert device_kinds.REBEL.budget == 140 * GiB and device_kinds.REBEL.chiplets == 4
+    assert kinds.ATOM.chiplet_budget == get_available_dram_per_chiplet(1, "RBLN-CA25")
+    assert kinds.REBEL.chiplet_budget == get_available_dram_per_chiplet(4, "RBLN-CR13")
+    assert kinds.REBEL.budget == 140 * GiB and kinds.REBEL.chiplets == 4
 
 
 def test_optimum_sizes_the_kv_cache_over_four_chiplets(on_rebel):
@@ -94,10 +95,10 @@ def test_ledger_checks_each_chiplet(on_rebel):
 
 def test_runtimes_refuse_artifacts_of_the_other_family(monkeypatch):
     rebel_graph = _tiny_graph("RBLN-CR13")
-    monkeypatch.delenv(device_kinds.KIND_ENV, raising=False)
+    monkeypatch.delenv(kinds.KIND_ENV, raising=False)
     with pytest.raises(DeviceError, match="compiled for RBLN-CR13 but .* are RBLN-CA25"):
         rebel.Runtime(rebel_graph, device=0)
-    monkeypatch.setenv(device_kinds.KIND_ENV, "rebel")
+    monkeypatch.setenv(kinds.KIND_ENV, "rebel")
     rt = rebel.Runtime(rebel_graph, device=0)
     assert rt(torch.ones(2)).tolist() == [1.0, 1.0]
     with pytest.raises(DeviceError, match="compiled for RBLN-CA25"):
@@ -149,7 +150,7 @@ def test_rbln_ray_plan_for_rebel():
 
 @pytest.mark.slow
 def test_compile_and_vllm_llm_on_rebel_are_token_exact(monkeypatch):
-    monkeypatch.setenv(device_kinds.KIND_ENV, "rebel")
+    monkeypatch.setenv(kinds.KIND_ENV, "rebel")
     model = compiled_model("llama", max_seq_len=1024)
     cfg = json.loads((model / "rbln_config.json").read_text())
     assert cfg["prefill_chunk_size"] == 512  # optimum-rbln's RBLN-CR default

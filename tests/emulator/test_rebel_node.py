@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from rbln_ray.emulator import device_kinds, ensure_runtime
+from rbln_ray.emulator import ensure_runtime
+from rbln_ray.npu import kinds
 
 pytestmark = pytest.mark.multinode
 
@@ -22,16 +23,16 @@ def mixed_cluster(tmp_path):
     os.environ.update(
         RBLN_RAY_DEVICE="emulated", RBLN_RAY_CACHE=str(tmp_path), RAY_USAGE_STATS_ENABLED="0"
     )
-    os.environ.pop(device_kinds.KIND_ENV, None)
+    os.environ.pop(kinds.KIND_ENV, None)
     ensure_runtime()  # raylets and workers inherit the emulator's PYTHONPATH shim
     cluster = Cluster(
         initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"RBLN": 0}}
     )
     try:
         cluster.add_node(num_cpus=1, resources={"RBLN": 1})
-        os.environ[device_kinds.KIND_ENV] = "rebel"  # this node's environment only
+        os.environ[kinds.KIND_ENV] = "rebel"  # this node's environment only
         cluster.add_node(num_cpus=1, resources={"RBLN": 1})
-        os.environ.pop(device_kinds.KIND_ENV)
+        os.environ.pop(kinds.KIND_ENV)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address)
         yield ray

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from rbln_ray.executor import PlacementPlan
-from tests.conftest import hf_greedy
+from tests.helpers import hf_greedy
 from tests.ray_cluster import ENGINE_ENV, multinode_cluster, run_engine_script
 from tests.ray_cluster import wait_all_rbln_free as wait_rbln
 
@@ -43,7 +43,8 @@ def test_plan_bundles_and_description() -> None:
 def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Compiled tiny Llama for 1 and 2 devices, and a 5-device one no node can host."""
     os.environ.update(ENGINE_ENV)
-    from rbln_ray.emulator import compile_hf_model, ensure_runtime
+    from rbln_ray.compile import compile_hf_model
+    from rbln_ray.emulator import ensure_runtime
     from rbln_ray.models import build_tiny_model
 
     ensure_runtime()

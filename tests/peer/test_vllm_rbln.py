@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import uuid
 
 import pytest
 
 from benchmarks.peer_env import peer_env, peer_python
 from rbln_ray.models import build_tiny_model
-from tests.conftest import EIGHT_PROMPTS, ROOT, compiled_model, greedy_request, hf_greedy
+from tests.helpers import (
+    EIGHT_PROMPTS,
+    ROOT,
+    compiled_model,
+    greedy_request,
+    hf_greedy,
+    run_python,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -31,17 +37,15 @@ SHARED_PREFIX = [SHARED + [_rng.randrange(10, 4000) for _ in range(3 + i)] for i
 
 def run_in_peer(script: str, spec: dict, timeout: float) -> tuple[dict, str]:
     """Run ``tests/scripts/<script>`` in the side env; (its RESULT JSON, stdout + stderr)."""
-    proc = subprocess.run(
-        [str(peer_python()), str(ROOT / "tests" / "scripts" / script), json.dumps(spec)],
-        capture_output=True,
-        text=True,
+    result, proc = run_python(
+        [str(ROOT / "tests" / "scripts" / script), json.dumps(spec)],
+        python=peer_python(),
+        full_env=peer_env(RBLN_RAY_NODE_ID=f"peer-{uuid.uuid4().hex[:8]}"),  # private devices
         timeout=timeout,
         cwd=ROOT,
-        env=peer_env(RBLN_RAY_NODE_ID=f"peer-{uuid.uuid4().hex[:8]}"),  # private devices
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-6000:])
-    return json.loads(lines[-1][len("RESULT ") :]), proc.stdout + proc.stderr
+    assert result is not None
+    return result, proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +55,7 @@ def peer_run() -> dict:
     spec = {
         "model": str(model),
         # rbln-ray's runtime-call log, read through vLLM's public worker extension hook
-        "llm_kwargs": {"worker_extension_cls": "rbln_ray.emulator.timing.RuntimeCallsExtension"},
+        "llm_kwargs": {"worker_extension_cls": "rbln_ray.emulator.call_log.RuntimeCallsExtension"},
         "requests": [greedy_request(p, NEW_TOKENS) for p in MIXED + SHARED_PREFIX],
         "rpc": ["emulator_calls"],
     }

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EIGHT_PROMPTS, count_refills, hf_greedy
+from tests.helpers import EIGHT_PROMPTS, count_refills, hf_greedy
 from tests.ray_cluster import ENGINE_ENV, multinode_cluster, run_engine_script
 from tests.ray_cluster import wait_all_rbln_free as wait_rbln
 
@@ -27,7 +27,7 @@ COMPILE = {"batch_size": 4, "max_seq_len": 512, "decoder_batch_sizes": [4, 2, 1]
 
 
 def test_split_layers_is_contiguous_and_even() -> None:
-    from rbln_ray.pipeline.manifest import split_layers
+    from rbln_ray.compile.pipeline_manifest import split_layers
 
     assert split_layers(4, 2) == [(0, 2), (2, 4)]
     assert split_layers(5, 2) == [(0, 3), (3, 5)]
@@ -46,8 +46,8 @@ def test_stage_graphs_in_process_match_transformers(
     import torch
 
     os.environ.update(ENGINE_ENV)
+    from rbln_ray.compile import compile_pipeline
     from rbln_ray.models import build_tiny_model
-    from rbln_ray.pipeline import compile_pipeline
     from rbln_ray.pipeline.stage import StageModel, StepPlan
 
     hf = build_tiny_model(family="llama", num_layers=NUM_LAYERS)
@@ -87,9 +87,9 @@ def test_stage_graphs_in_process_match_transformers(
 def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A 4-layer tiny Llama compiled as one optimum graph set (S=1) and as 2 and 4 stages."""
     os.environ.update(ENGINE_ENV)
-    from rbln_ray.emulator import compile_hf_model, ensure_runtime
+    from rbln_ray.compile import compile_hf_model, compile_pipeline
+    from rbln_ray.emulator import ensure_runtime
     from rbln_ray.models import build_tiny_model
-    from rbln_ray.pipeline import compile_pipeline
 
     ensure_runtime()
     root = tmp_path_factory.mktemp("pipeline-artifacts")

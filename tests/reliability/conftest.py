@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import compiled_model
+from tests.helpers import compiled_model
 from tests.serve.conftest import RunningApp, free_port, start_app, stop_app
 
 MODEL = "tiny"

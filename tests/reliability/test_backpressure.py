@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import compiled_model
+from tests.helpers import compiled_model
 from tests.serve.conftest import RunningApp, free_port, start_app, stop_app
 
 pytestmark = pytest.mark.slow

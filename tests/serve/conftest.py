@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port
+
 API_KEY = "test-secret"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -58,9 +53,9 @@ def stop_app() -> None:
 def demo_app() -> Iterator[RunningApp]:
     """The demo model (compiled, batch 4) with 2 replicas, a tiny Qwen2 beside it, an API key."""
     from rbln_ray.cli.serve_cmd import DEMO_COMPILE
+    from rbln_ray.compile import CompileSettings, resolve_compiled_dir
     from rbln_ray.models import demo_model_dir
-    from rbln_ray.vllm_plugin.loader import CompileSettings, resolve_compiled_dir
-    from tests.conftest import compiled_model
+    from tests.helpers import compiled_model
 
     hf_dir = demo_model_dir()
     compiled = resolve_compiled_dir(hf_dir, CompileSettings.from_dict(DEMO_COMPILE))

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from tests.serve.conftest import free_port
 
 pytestmark = pytest.mark.slow

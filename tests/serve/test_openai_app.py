@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import subprocess
 import time
 
 import httpx
 import pytest
 
-from tests.conftest import PYTHON, hf_greedy
+from tests.helpers import hf_greedy, run_python
 from tests.serve.conftest import API_KEY, RunningApp
 
 pytestmark = pytest.mark.slow
@@ -198,12 +197,8 @@ def test_client_handles_stream_from_another_process(demo_app: RunningApp) -> Non
         "print('RESULT ' + json.dumps({'deltas': deltas, 'text': full.text,"
         " 'finish': full.finish_reason, 'chat': chat.text}))\n"
     )
-    proc = subprocess.run(
-        [PYTHON, "-c", script, demo_app.gcs_address], capture_output=True, text=True, timeout=300
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1][7:])
+    result, _ = run_python(["-c", script, demo_app.gcs_address], timeout=300)
+    assert result is not None
     tok = AutoTokenizer.from_pretrained(demo_app.model_dir)
     expected = reference_text(demo_app, tok("import os\n")["input_ids"], 16)
     assert len(result["deltas"]) > 1, "tokens were not streamed"

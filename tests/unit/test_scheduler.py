@@ -9,13 +9,10 @@ the scheduler only reads shapes from it.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-os.environ["RBLN_RAY_DEVICE"] = "emulated"  # the RBLN platform in this process (no device use)
 
 BATCH, MAX_LEN, CHUNK = 4, 512, 128
 

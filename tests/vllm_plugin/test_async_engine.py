@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import compiled_model, run_script
+from tests.helpers import compiled_model, run_script
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from rbln_ray.models import build_tiny_model
-from tests.conftest import (
+from tests.helpers import (
     EIGHT_PROMPTS,
     compiled_model,
     count_refills,

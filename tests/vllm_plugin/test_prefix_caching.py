@@ -16,7 +16,7 @@ import random
 import pytest
 
 from rbln_ray.models import build_tiny_model
-from tests.conftest import compiled_model, greedy_request, hf_greedy, run_script
+from tests.helpers import compiled_model, greedy_request, hf_greedy, run_script
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from rbln_ray.models import build_tiny_model
-from tests.conftest import compiled_model, hf_greedy, run_script
+from tests.helpers import compiled_model, hf_greedy, run_script
 
 pytestmark = pytest.mark.slow
 

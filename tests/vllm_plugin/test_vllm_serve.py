@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -12,15 +11,9 @@ from pathlib import Path
 import pytest
 
 from rbln_ray.models import build_tiny_model
-from tests.conftest import PYTHON, compiled_model, hf_greedy, run_script
+from tests.helpers import PYTHON, compiled_model, free_port, hf_greedy, run_script
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:

@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 
-from rbln_ray.emulator import device_kinds, devices, ops
+from rbln_ray.emulator import devices, ops
 from rbln_ray.emulator.compiled_model import CompileGroup, RBLNCompiledModel
 from rbln_ray.emulator.rebel import compile_context, core
 from rbln_ray.emulator.rebel.compile_context import CompileContext
 from rbln_ray.emulator.reports import capture_reports
 from rbln_ray.emulator.runtime import Runtime
 from rbln_ray.emulator.sampling import manual_seed
+from rbln_ray.npu import kinds
 
 __version__ = "0.12.0+emulated"
 __rbln_ray_emulated__ = True
@@ -90,7 +91,7 @@ def npu_is_available(device: int = 0) -> bool:
 def get_npu_name(device: int = 0) -> str | None:
     """The NPU name of a visible device (``RBLN-CA25``, or ``RBLN-CR13`` when emulating
     REBEL: ``RBLN_RAY_EMULATED_NPU``), ``None`` otherwise."""
-    return device_kinds.current().npu_name if npu_is_available(device) else None
+    return kinds.current().npu_name if npu_is_available(device) else None
 
 
 __all__ = [

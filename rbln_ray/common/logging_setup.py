@@ -8,7 +8,8 @@ device pinning, config overrides) would vanish.
 from __future__ import annotations
 
 import logging
-import os
+
+from rbln_ray.common import envs
 
 FORMAT = "%(levelname)s %(asctime)s [rbln_ray %(filename)s:%(lineno)d] %(message)s"
 
@@ -21,5 +22,5 @@ def setup_logging() -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(FORMAT, datefmt="%m-%d %H:%M:%S"))
     logger.addHandler(handler)
-    logger.setLevel(os.environ.get("RBLN_RAY_LOG_LEVEL", "INFO").upper())
+    logger.setLevel(envs.get("RBLN_RAY_LOG_LEVEL"))
     logger.propagate = False

@@ -4,7 +4,7 @@ Why a manifest of its own (and not a ``rbln_config.json``): optimum-rbln must ne
 a staged directory as one of its models, and rbln-ray must know at a glance that the directory
 holds S stage graphs. The keys that configure vLLM (``batch_size``, ``max_seq_len``,
 ``kvcache_block_size``, ``kvcache_num_blocks``, ``decoder_batch_sizes``, ...) are spelled
-exactly as in optimum's ``rbln_config.json``, so :class:`~rbln_ray.vllm_plugin.artifact.
+exactly as in optimum's ``rbln_config.json``, so :class:`~rbln_ray.compile.artifact.
 CompiledArtifact` reads either file with the same code and the platform syncs vLLM's config
 from it unchanged.
 
@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-MANIFEST = "rbln_pipeline.json"
+from rbln_ray.common.artifact_files import PIPELINE_MANIFEST as MANIFEST
+
 FORMAT = "rbln-ray-pipeline/1"
 
 

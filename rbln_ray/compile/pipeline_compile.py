@@ -19,19 +19,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rbln_ray.pipeline.manifest import PipelineManifest, StageSpec, split_layers
+from rbln_ray.common.dtypes import torch_dtype
+from rbln_ray.compile.architectures import check_architecture
+from rbln_ray.compile.pipeline_manifest import PipelineManifest, StageSpec, split_layers
+from rbln_ray.compile.settings import rbln_kwargs
 
 logger = logging.getLogger(__name__)
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
-
-
-def _dtype(name: Any):
-    import torch
-
-    if isinstance(name, torch.dtype):
-        return name
-    return getattr(torch, str(name).replace("torch.", ""))
 
 
 def _stage_input_info(
@@ -64,16 +59,16 @@ def _example_inputs(info, static: dict[str, Any]) -> list[Any]:
         if name.startswith("past_key_values"):
             if name not in static:
                 # Meta tensors, as optimum uses: no host memory for KV at compile time.
-                static[name] = torch.zeros(shape, dtype=_dtype(dt), device="meta")
+                static[name] = torch.zeros(shape, dtype=torch_dtype(dt), device="meta")
             out.append(static[name])
         else:
-            out.append(torch.zeros(shape, dtype=_dtype(dt)))
+            out.append(torch.zeros(shape, dtype=torch_dtype(dt)))
     return out
 
 
 def _lm_head_in_layers(text_config: Any) -> float:
     """The LM head's weights in decoder layers' worth (what the last stage carries extra)."""
-    from rbln_ray.emulator.timing import ModelShape
+    from rbln_ray.npu.cost_model import ModelShape
 
     shape = ModelShape.from_hf_config(text_config.to_dict())
     return shape.vocab_size * shape.hidden_size / shape.layer_params
@@ -109,12 +104,9 @@ def compile_pipeline(
     """
     import torch
 
-    from rbln_ray.emulator import ensure_runtime
+    from rbln_ray.emulator import require_runtime
 
-    if ensure_runtime() == "none":
-        raise RuntimeError(
-            "no rebel runtime: install rebel-compiler or set RBLN_RAY_DEVICE=emulated"
-        )
+    require_runtime("compile pipeline stages")
     import optimum.rbln as orb
     import rebel
     from optimum.rbln.modeling_base import normalize_contiguous_
@@ -122,8 +114,7 @@ def compile_pipeline(
     from rebel.compile_context import CompileContext
     from transformers import AutoModelForCausalLM
 
-    from rbln_ray.pipeline.graph import StageGraph
-    from rbln_ray.vllm_plugin.loader import check_architecture
+    from rbln_ray.compile.stage_graph import StageGraph
 
     hf_dir, out = Path(hf_dir), Path(out_dir)
     arch = check_architecture(hf_dir / "config.json")
@@ -134,24 +125,23 @@ def compile_pipeline(
     ranges = split_layers(num_layers, stages, head_layers=_lm_head_in_layers(text_config))
 
     cls = getattr(orb, f"RBLN{arch}")
-    kwargs: dict[str, Any] = {
-        "rbln_batch_size": batch_size,
-        "rbln_max_seq_len": max_seq_len,
-        "rbln_attn_impl": attn_impl,
-        "rbln_create_runtimes": False,
-        "rbln_num_devices": num_devices,
-    }
     micro_batches = stages if micro_batches is None else micro_batches
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, not {micro_batches}")
-    blocks_per_seq = 1  # eager attention: one KV block is a whole sequence
-    if kvcache_partition_len is not None:
-        kwargs["rbln_kvcache_partition_len"] = kvcache_partition_len
-        blocks_per_seq = max_seq_len // kvcache_partition_len
-    # Full capacity for every micro-batch, fixed: an automatic count could differ by stage.
-    kwargs["rbln_kvcache_num_blocks"] = micro_batches * batch_size * blocks_per_seq
-    if decoder_batch_sizes is not None:
-        kwargs["rbln_decoder_batch_sizes"] = sorted(set(decoder_batch_sizes), reverse=True)
+    # eager attention: one KV block is a whole sequence
+    blocks_per_seq = 1 if kvcache_partition_len is None else max_seq_len // kvcache_partition_len
+    kwargs = rbln_kwargs(
+        batch_size=batch_size,
+        max_seq_len=max_seq_len,
+        attn_impl=attn_impl,
+        kvcache_partition_len=kvcache_partition_len,
+        num_devices=num_devices,
+        decoder_batch_sizes=(
+            sorted(set(decoder_batch_sizes), reverse=True) if decoder_batch_sizes else None
+        ),
+        # Full capacity for every micro-batch, fixed: an automatic count could differ by stage.
+        kvcache_num_blocks=micro_batches * batch_size * blocks_per_seq,
+    )
     rbln_config, unused = cls.prepare_rbln_config(rbln_config=None, **kwargs)
     if unused:
         raise ValueError(f"unknown compile options {sorted(unused)}")

@@ -1,4 +1,4 @@
-"""Which RBLN NPU an emulated device is: ATOM (default) or REBEL, and its DRAM budget.
+"""Which RBLN NPU a device is: ATOM (default) or REBEL, and its DRAM budget.
 
 Why: optimum-rbln 0.12 branches on the NPU name (``RBLN-CA*`` vs ``RBLN-CR*``): memory
 budget, prefill chunk (512 on REBEL), attention limits, compile paths for CR13 and later.
@@ -21,8 +21,9 @@ accelerator probe (``rebel.get_npu_name()``) then labels the node ``RBLN-CR13``.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from rbln_ray.common import envs
 
 KIND_ENV = "RBLN_RAY_EMULATED_NPU"
 GiB = 2**30
@@ -81,7 +82,7 @@ def kind_by_name(value: str) -> DeviceKind:
 
 def current() -> DeviceKind:
     """The kind of this process's emulated devices (``RBLN_RAY_EMULATED_NPU``, default ATOM)."""
-    value = os.environ.get(KIND_ENV, "").strip()
+    value = (envs.get(KIND_ENV) or "").strip()
     if not value:
         return ATOM
     try:

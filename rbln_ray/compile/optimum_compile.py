@@ -1,6 +1,7 @@
 """Compile a Hugging Face decoder directory with optimum-rbln's own code path.
 
-Why: tests, demos and the CLI need compiled artifacts; going through optimum's real
+Why: engines given an HF directory, the CLI, tests and demos need compiled artifacts, on an
+RBLN host and under the emulator alike; going through optimum's real
 ``from_pretrained(export=True)`` + ``save_pretrained`` keeps the artifact identical in layout
 to one compiled on an RBLN host (only the ``.rbln`` payloads differ under the emulator).
 """
@@ -11,7 +12,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from rbln_ray.emulator.switch import ensure_runtime
+from rbln_ray.compile.settings import rbln_kwargs
+from rbln_ray.emulator.switch import require_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -27,32 +29,27 @@ def compile_hf_model(
     decoder_batch_sizes: list[int] | None = None,
     use_attention_mask: bool = False,
     create_runtimes: bool = False,
-    **rbln_kwargs: Any,
+    **extra: Any,
 ) -> Path:
     """Compile ``hf_dir`` to ``out_dir`` with ``RBLNAutoModelForCausalLM``; returns ``out_dir``.
 
-    Extra ``rbln_kwargs`` are passed as ``rbln_<name>`` (e.g. ``kvcache_num_blocks=8``).
+    ``extra`` settings are passed as ``rbln_<name>`` (e.g. ``kvcache_num_blocks=8``).
     Runtimes are not created by default, so compiling needs no free device.
     """
-    if ensure_runtime() == "none":
-        raise RuntimeError(
-            "no rebel runtime: install rebel-compiler or set RBLN_RAY_DEVICE=emulated"
-        )
+    require_runtime("compile a model")
     from optimum.rbln import RBLNAutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {
-        "rbln_batch_size": batch_size,
-        "rbln_max_seq_len": max_seq_len,
-        "rbln_attn_impl": attn_impl,
-        "rbln_num_devices": num_devices,
-        "rbln_use_attention_mask": use_attention_mask,
-        "rbln_create_runtimes": create_runtimes,
-    }
-    if kvcache_partition_len is not None:
-        kwargs["rbln_kvcache_partition_len"] = kvcache_partition_len
-    if decoder_batch_sizes is not None:
-        kwargs["rbln_decoder_batch_sizes"] = list(decoder_batch_sizes)
-    kwargs.update({f"rbln_{k}": v for k, v in rbln_kwargs.items()})
+    kwargs = rbln_kwargs(
+        batch_size=batch_size,
+        max_seq_len=max_seq_len,
+        attn_impl=attn_impl,
+        kvcache_partition_len=kvcache_partition_len,
+        num_devices=num_devices,
+        decoder_batch_sizes=decoder_batch_sizes,
+        use_attention_mask=use_attention_mask,
+        create_runtimes=create_runtimes,
+        **extra,
+    )
     logger.info("compiling %s -> %s (%s)", hf_dir, out_dir, kwargs)
     model = RBLNAutoModelForCausalLM.from_pretrained(str(hf_dir), export=True, **kwargs)
     out = Path(out_dir)

@@ -11,9 +11,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-RBLN_CONFIG = "rbln_config.json"
-# A staged (pipeline-parallel) directory's manifest; same shape keys as rbln_config.json.
-PIPELINE_MANIFEST = "rbln_pipeline.json"
+from rbln_ray.common.artifact_files import PIPELINE_MANIFEST, RBLN_CONFIG
+
+# A staged (pipeline-parallel) directory's manifest has the same shape keys as rbln_config.json
+# (see pipeline_manifest.py), so one reader serves both.
 
 
 class ArtifactError(ValueError):
@@ -36,7 +37,7 @@ class CompiledArtifact:
     num_devices: int
     use_attention_mask: bool
     requires_batch_sort: bool
-    num_stages: int = 1  # > 1: a staged directory (rbln_ray.pipeline), one worker per stage
+    num_stages: int = 1  # > 1: a staged directory (pipeline_manifest), one worker per stage
     # Sequences in flight: batch_size, or for a pipeline every micro-batch's (vLLM keeps one
     # micro-batch of up to batch_size rows in each stage).
     max_num_seqs: int = 0

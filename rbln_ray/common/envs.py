@@ -1,0 +1,99 @@
+"""Every ``RBLN_RAY_*`` environment variable, declared once: name, type, default and meaning.
+
+Why one registry (like ``vllm/envs.py``): a variable read ad hoc in several modules drifts
+(two defaults, two spellings, no docs). Values are read when asked for, not at import, because
+tests and the CLI set some of them (``RBLN_RAY_DEVICE``) after ``rbln_ray`` is imported and
+child processes (vLLM's engine core, Ray actors) inherit them through the environment.
+
+Use ``envs.get("RBLN_RAY_DEVICE")`` or ``envs.RBLN_RAY_DEVICE``; ``envs.NAMES`` lists them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One declared variable; ``parse`` turns its non-empty text into the typed value."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+
+
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise ValueError("must be a positive integer")
+    return value
+
+
+def _lower(raw: str) -> str:
+    return raw.strip().lower()
+
+
+def _upper(raw: str) -> str:
+    return raw.strip().upper()
+
+
+_VARS = (
+    EnvVar("RBLN_RAY_DEVICE", _lower, "auto",
+           "which rebel runtime: auto (real rebel if importable), emulated (the CPU emulator), "
+           "rbln (demand the real runtime)"),
+    EnvVar("RBLN_RAY_CACHE", str, None,
+           "root of rbln-ray's cache (compiled artifacts, models, device locks); default "
+           "$XDG_CACHE_HOME/rbln-ray or ~/.cache/rbln-ray"),
+    EnvVar("RBLN_RAY_LOG_LEVEL", _upper, "INFO", "level of the rbln_ray logger"),
+    EnvVar("RBLN_RAY_NODE_ID", str, None,
+           "node the emulated devices belong to when Ray is not initialised (set in actors)"),
+    EnvVar("RBLN_RAY_EMULATED_DEVICES", _positive_int, 4, "emulated RBLN devices per node"),
+    EnvVar("RBLN_RAY_EMULATED_NPU", str, None,
+           "kind of the emulated devices: atom / rebel or an NPU name (default ATOM)"),
+    EnvVar("RBLN_RAY_EMULATOR_THREADS", _positive_int, None,
+           "torch threads for one emulated device call (default: leave torch's setting)"),
+    EnvVar("RBLN_RAY_EMULATOR_MODE", _lower, "compute",
+           "compute (real results, CPU speed) or timing (results plus modelled device time)"),
+    EnvVar("RBLN_RAY_TIMING_SHAPE", str, None,
+           "timing mode: the model shape to cost (a preset name or an HF config.json path)"),
+    EnvVar("RBLN_RAY_TIMING_PEAK_TFLOPS", float, None, "timing mode: device peak TFLOPS"),
+    EnvVar("RBLN_RAY_TIMING_DRAM_GBPS", float, None, "timing mode: device DRAM GB/s"),
+    EnvVar("RBLN_RAY_TIMING_COMPUTE_EFF", float, None, "timing mode: achieved compute share"),
+    EnvVar("RBLN_RAY_TIMING_DRAM_EFF", float, None, "timing mode: achieved DRAM share"),
+    EnvVar("RBLN_RAY_TIMING_CALL_US", float, None, "timing mode: fixed cost of one call, us"),
+    EnvVar("RBLN_RAY_TIMING_TP_EFF", float, None,
+           "timing mode: tensor-parallel efficiency over several devices"),
+    EnvVar("RBLN_RAY_TIMING_SYNC_US", float, None,
+           "timing mode: per-layer synchronisation cost across devices, us"),
+)  # fmt: skip
+REGISTRY: dict[str, EnvVar] = {var.name: var for var in _VARS}
+NAMES: tuple[str, ...] = tuple(REGISTRY)
+# What a worker actor needs to pick the same runtime as its driver. Not the device kind:
+# that belongs to the node (its raylet's environment), and a REBEL node may serve an ATOM driver.
+FORWARDED: tuple[str, ...] = ("RBLN_RAY_DEVICE", "RBLN_RAY_EMULATED_DEVICES", "RBLN_RAY_CACHE")
+
+
+class EnvError(ValueError):
+    """A declared variable holds a value its type rejects."""
+
+
+def get(name: str, environ: dict[str, str] | None = None) -> Any:
+    """The typed value of ``name`` (its default when unset or empty)."""
+    var = REGISTRY[name]
+    raw = (os.environ if environ is None else environ).get(name, "")
+    if not raw.strip():
+        return var.default
+    try:
+        return var.parse(raw)
+    except ValueError as e:
+        raise EnvError(f"{name}={raw!r}: {e} ({var.doc})") from None
+
+
+def __getattr__(name: str) -> Any:
+    if name in REGISTRY:
+        return get(name)
+    raise AttributeError(name)

@@ -1,0 +1,106 @@
+"""Per-process log of emulated runtime calls, and the vLLM worker extension that reads it.
+
+Why: benchmarks split a step's time into device and host time; every emulated ``Runtime``
+call (compute or timing mode) and every KV copy lands here, and
+``worker_extension_cls="rbln_ray.emulator.call_log.RuntimeCallsExtension"`` lets a benchmark
+read the log of every worker with ``collective_rpc("emulator_calls")``. The extension is
+duck-typed (no vLLM import), so Rebellions' own vLLM plugin can load it too.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rbln_ray.common import envs
+
+
+@dataclass
+class CallRecord:
+    start: float  # time.perf_counter() at entry
+    end: float
+    modelled_s: float | None  # None in compute mode
+    kind: str  # "prefill", "decode" or "copy"
+    batch: int
+
+
+class Recorder:
+    """Per-process log of runtime calls: totals plus the last ``maxlen`` calls."""
+
+    def __init__(self, maxlen: int = 20000) -> None:
+        self._lock = threading.Lock()
+        self.calls: deque[CallRecord] = deque(maxlen=maxlen)
+        self.total_calls = 0
+        self.total_seconds = 0.0
+        self.total_modelled = 0.0
+
+    def add(self, rec: CallRecord) -> None:
+        with self._lock:
+            self.calls.append(rec)
+            self.total_calls += 1
+            self.total_seconds += rec.end - rec.start
+            self.total_modelled += rec.modelled_s or 0.0
+
+    def reset(self) -> None:
+        with self._lock:
+            self.calls.clear()
+            self.total_calls, self.total_seconds, self.total_modelled = 0, 0.0, 0.0
+
+    def snapshot(self) -> dict[str, Any]:
+        import torch
+
+        with self._lock:
+            return {
+                "pid": os.getpid(),
+                "mode": envs.get("RBLN_RAY_EMULATOR_MODE"),
+                "torch_threads": torch.get_num_threads(),  # what compute-mode calls ran on
+                "total_calls": self.total_calls,
+                "total_seconds": self.total_seconds,
+                "total_modelled_seconds": self.total_modelled,
+                "calls": [asdict(c) for c in self.calls],
+            }
+
+
+RECORDER = Recorder()
+
+
+def snapshot(*_: Any) -> dict[str, Any]:
+    """Recorded calls of this process (usable as a ``collective_rpc`` callable)."""
+    return RECORDER.snapshot()
+
+
+def reset(*_: Any) -> bool:
+    RECORDER.reset()
+    return True
+
+
+def describe(inputs: tuple[Any, ...]) -> tuple[str, int, int]:
+    """(kind, batch, tokens per row) of a call from its first input ``[batch, tokens]``."""
+    first = inputs[0]
+    batch, length = (int(first.shape[0]), int(first.shape[1])) if first.dim() >= 2 else (1, 1)
+    return ("decode" if length == 1 else "prefill"), batch, length
+
+
+def record_call(start: float, inputs: tuple[Any, ...], modelled_s: float | None = None) -> None:
+    kind, batch, _ = describe(inputs)
+    RECORDER.add(CallRecord(start, time.perf_counter(), modelled_s, kind, batch))
+
+
+def record_copy(start: float, modelled_s: float | None = None) -> None:
+    """Log one ``_copy_kv_cache`` call (kind ``"copy"``, batch 1)."""
+    RECORDER.add(CallRecord(start, time.perf_counter(), modelled_s, "copy", 1))
+
+
+class RuntimeCallsExtension:
+    """vLLM ``worker_extension_cls``: exposes this process's runtime-call log to
+    ``collective_rpc("emulator_calls")`` / ``collective_rpc("emulator_calls_reset")``."""
+
+    def emulator_calls(self) -> dict[str, Any]:
+        return snapshot()
+
+    def emulator_calls_reset(self) -> bool:
+        return reset()

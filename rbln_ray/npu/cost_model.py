@@ -1,0 +1,330 @@
+"""The roofline cost model of one RBLN device call: the emulator's timing mode sleeps
+what it predicts and ``rbln-ray plan`` sizes deployments with it.
+
+Why one module: the planner and the emulator must agree on what a call costs, and neither
+should need the other (the planner runs on hosts without the emulator).
+
+Model of one device call (roofline, one compiled graph invocation):
+
+- FLOPs = 2 x (decoder-layer parameters) x (tokens in the call, padding rows included, since
+  compiled graphs have static shapes) + 2 x vocab x hidden x (rows returning logits)
+  + attention 4 x layers x q_heads x head_dim x sum(new tokens x attended context).
+- bytes = all weights except the embedding table (read once per call; the LM head is read
+  in full) + KV read (cached context of every row) + KV write (new tokens)
+  + activations (~(6 x hidden + 2 x intermediate) x tokens x layers) + logits.
+- seconds = max(FLOPs / (peak x compute_eff), bytes / (bandwidth x dram_eff)) / tp_eff(N)
+  + per-call overhead (+ a per-layer sync cost when the graph spans N > 1 devices).
+
+Weights and KV are costed in FP16 (2 bytes); REBEL's FP8 path is not modelled.
+
+Device parameters (published where marked; every other figure is an assumption):
+
+=========================  ======================  ======================================
+parameter                  ATOM (RBLN-CA25)        REBEL-Quad (RBLN-CR13)
+=========================  ======================  ======================================
+peak FLOPS (FP16)          32 T (published)        1 P (reported from Rebellions' ISSCC
+                                                   2026 paper: 2 PFLOPS FP8 / 1 PFLOPS
+                                                   FP16 dense; not on the product page)
+DRAM bandwidth             256 GB/s (assumption:   2.7 TB/s (published: "effective
+                           GDDR6, unpublished)     bandwidth with software-tuned DMA")
+compute efficiency         0.6 (assumption)        0.6 (assumption)
+DRAM efficiency            0.8 (assumption)        1.0 (assumption: the published figure
+                                                   is already an effective bandwidth)
+per-call overhead          100 us (assumption)     100 us (assumption)
+shard-group efficiency     0.85 (assumption)       0.85 (assumption)
+per-layer sync, N > 1      10 us (assumption)      10 us (assumption)
+usable DRAM                16 GiB - 288 MiB        4 x (36 GiB - 1 GiB) = 140 GiB
+                           (optimum-rbln)          (optimum-rbln; 144 GB HBM3E published)
+=========================  ======================  ======================================
+
+Overrides (environment, all optional; they apply to whichever kind is emulated):
+
+=====================================  ==============================================
+``RBLN_RAY_TIMING_PEAK_TFLOPS``        peak FP16 TFLOPS
+``RBLN_RAY_TIMING_DRAM_GBPS``          DRAM bandwidth, GB/s
+``RBLN_RAY_TIMING_COMPUTE_EFF``        achieved fraction of peak FLOPs
+``RBLN_RAY_TIMING_DRAM_EFF``           achieved fraction of DRAM bandwidth
+``RBLN_RAY_TIMING_CALL_US``            fixed cost per runtime call (launch, sync)
+``RBLN_RAY_TIMING_TP_EFF``             efficiency of a shard group of N > 1 devices
+``RBLN_RAY_TIMING_SYNC_US``            per-layer cross-device sync cost when N > 1
+=====================================  ==============================================
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from rbln_ray.common import envs
+from rbln_ray.npu import kinds
+
+DEVICE_DRAM_BYTES = kinds.ATOM.budget  # ATOM's usable DRAM (the default device)
+
+
+# ----------------------------------------------------------------------------- parameters
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device, as the timing model sees it (defaults: ATOM; see the module table)."""
+
+    peak_flops: float = 32e12
+    dram_bytes_per_s: float = 256e9
+    compute_eff: float = 0.6
+    dram_eff: float = 0.8
+    call_overhead_s: float = 100e-6
+    tp_eff: float = 0.85
+    sync_per_layer_s: float = 10e-6
+    dram_capacity: int = DEVICE_DRAM_BYTES
+    name: str = kinds.ATOM.family
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, kind: str | None = None) -> DeviceSpec:
+        """The spec of ``kind`` (default: the emulated kind) with the env overrides applied."""
+        base = spec_for(kind or kinds.current().family)
+
+        def get(name: str, default: float, scale: float = 1.0) -> float:
+            value = envs.get(name, environ)
+            return value * scale if value is not None else default
+
+        return replace(
+            base,
+            peak_flops=get("RBLN_RAY_TIMING_PEAK_TFLOPS", base.peak_flops, 1e12),
+            dram_bytes_per_s=get("RBLN_RAY_TIMING_DRAM_GBPS", base.dram_bytes_per_s, 1e9),
+            compute_eff=get("RBLN_RAY_TIMING_COMPUTE_EFF", base.compute_eff),
+            dram_eff=get("RBLN_RAY_TIMING_DRAM_EFF", base.dram_eff),
+            call_overhead_s=get("RBLN_RAY_TIMING_CALL_US", base.call_overhead_s, 1e-6),
+            tp_eff=get("RBLN_RAY_TIMING_TP_EFF", base.tp_eff),
+            sync_per_layer_s=get("RBLN_RAY_TIMING_SYNC_US", base.sync_per_layer_s, 1e-6),
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+ATOM_SPEC = DeviceSpec()
+REBEL_SPEC = DeviceSpec(
+    peak_flops=1e15,
+    dram_bytes_per_s=2.7e12,
+    dram_eff=1.0,
+    dram_capacity=kinds.REBEL.budget,
+    name=kinds.REBEL.family,
+)
+SPECS = {"atom": ATOM_SPEC, "rebel": REBEL_SPEC}
+
+
+def spec_for(kind: str) -> DeviceSpec:
+    """The timing parameters of a device kind (``atom``/``rebel`` or an NPU name)."""
+    return SPECS[kinds.kind_by_name(kind).family.lower()]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost model needs to know about a decoder-only transformer."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    weight_bytes: int = 2  # per parameter on the device (FP16)
+    kv_bytes: int = 2  # per KV element on the device
+    name: str = "custom"
+
+    @property
+    def layer_params(self) -> int:
+        h, q, kv = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        attention = h * q + 2 * h * kv + q * h
+        mlp = 3 * h * self.intermediate_size  # gated MLP (Llama/Qwen/Mistral)
+        return attention + mlp + 2 * h  # + two norms
+
+    @property
+    def params(self) -> int:
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * self.layer_params + embeddings + self.hidden_size
+
+    @property
+    def weight_bytes_total(self) -> int:
+        return self.params * self.weight_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], name: str = "custom") -> ModelShape:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return cls(
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            name=name,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "params": self.params,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+        }
+
+
+# Public architecture numbers of common models (config.json values).
+PRESETS: dict[str, ModelShape] = {
+    "llama-3.2-1b": ModelShape(16, 2048, 32, 8, 64, 8192, 128256, True, name="llama-3.2-1b"),
+    "llama-3.2-3b": ModelShape(28, 3072, 24, 8, 128, 8192, 128256, True, name="llama-3.2-3b"),
+    "llama-2-7b": ModelShape(32, 4096, 32, 32, 128, 11008, 32000, name="llama-2-7b"),
+    "llama-3-8b": ModelShape(32, 4096, 32, 8, 128, 14336, 128256, name="llama-3-8b"),
+    "mistral-7b": ModelShape(32, 4096, 32, 8, 128, 14336, 32768, name="mistral-7b"),
+    "qwen2.5-7b": ModelShape(28, 3584, 28, 4, 128, 18944, 152064, name="qwen2.5-7b"),
+    "llama-2-13b": ModelShape(40, 5120, 40, 40, 128, 13824, 32000, name="llama-2-13b"),
+    "llama-3-70b": ModelShape(80, 8192, 64, 8, 128, 28672, 128256, name="llama-3-70b"),
+}
+
+
+def preset(name: str) -> ModelShape:
+    key = name.strip().lower()
+    if key not in PRESETS:
+        raise KeyError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    return PRESETS[key]
+
+
+def shape_from_spec(spec: str) -> ModelShape:
+    """A preset name, a JSON object of HF config fields, or a path to a ``config.json``."""
+    spec = spec.strip()
+    if spec.startswith("{"):
+        return ModelShape.from_hf_config(json.loads(spec))
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return ModelShape.from_hf_config(json.loads(path.read_text()), name=path.parent.name)
+    return preset(spec)
+
+
+# ----------------------------------------------------------------------------- cost model
+@dataclass(frozen=True)
+class Row:
+    """One sequence in a call: ``new`` tokens computed after ``start`` cached ones."""
+
+    new: int
+    start: int = 0
+
+
+@dataclass(frozen=True)
+class CallCost:
+    flops: float
+    bytes: float
+    compute_s: float
+    memory_s: float
+    seconds: float
+    bound: str  # "compute" or "bandwidth"
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+def call_cost(
+    shape: ModelShape,
+    rows: list[Row],
+    logit_rows: int,
+    spec: DeviceSpec | None = None,
+    num_devices: int = 1,
+    lm_head: bool = True,
+) -> CallCost:
+    """Device time of one compiled-graph call (see the module docstring for the formula).
+
+    ``lm_head=False``: a pipeline stage before the last, which neither reads the LM head's
+    weights nor computes logits (``logit_rows`` is then ignored).
+    """
+    spec = spec or DeviceSpec()
+    logit_rows = logit_rows if lm_head else 0
+    n = max(1, int(num_devices))
+    L, H = shape.num_layers, shape.hidden_size  # noqa: N806 - the usual symbols
+    tokens = sum(r.new for r in rows)
+    q_dim = shape.num_heads * shape.head_dim
+    attended = sum(r.new * (r.start + (r.new + 1) / 2) for r in rows)  # causal within the call
+    flops_linear = 2.0 * L * shape.layer_params * tokens
+    flops_head = 2.0 * shape.vocab_size * H * logit_rows
+    flops_attn = 4.0 * L * q_dim * attended
+    flops = flops_linear + flops_head + flops_attn
+
+    per_token_kv = shape.kv_bytes_per_token
+    weights = (L * shape.layer_params + (shape.vocab_size * H if lm_head else 0)) * (
+        shape.weight_bytes
+    )
+    kv_read = per_token_kv * sum(r.start for r in rows)
+    kv_write = per_token_kv * tokens
+    act = L * tokens * (6 * H + 2 * shape.intermediate_size) * 2 + logit_rows * shape.vocab_size * 4
+    nbytes = float(weights + kv_read + kv_write + act)
+
+    compute_s = flops / (spec.peak_flops * spec.compute_eff * n)
+    memory_s = nbytes / (spec.dram_bytes_per_s * spec.dram_eff * n)
+    body = max(compute_s, memory_s)
+    extra = spec.call_overhead_s
+    if n > 1:
+        body /= spec.tp_eff
+        extra += L * spec.sync_per_layer_s
+    return CallCost(
+        flops=flops,
+        bytes=nbytes,
+        compute_s=compute_s,
+        memory_s=memory_s,
+        seconds=body + extra,
+        bound="compute" if compute_s >= memory_s else "bandwidth",
+        breakdown={
+            "flops_linear": flops_linear,
+            "flops_lm_head": flops_head,
+            "flops_attention": flops_attn,
+            "bytes_weights": float(weights),
+            "bytes_kv_read": float(kv_read),
+            "bytes_kv_write": float(kv_write),
+            "bytes_activations": float(act),
+            "overhead_s": extra,
+        },
+    )
+
+
+def decode_cost(
+    shape: ModelShape,
+    batch: int,
+    context: int,
+    spec: DeviceSpec | None = None,
+    num_devices: int = 1,
+) -> CallCost:
+    """One decode step of ``batch`` rows, each with ``context`` tokens already cached."""
+    return call_cost(shape, [Row(1, context)] * batch, batch, spec, num_devices)
+
+
+def prefill_cost(
+    shape: ModelShape,
+    prompt_len: int,
+    chunk: int = 128,
+    spec: DeviceSpec | None = None,
+    num_devices: int = 1,
+) -> float:
+    """Seconds to prefill one prompt in static ``chunk``-token calls (the last one padded)."""
+    total, start = 0.0, 0
+    while start < max(1, prompt_len):
+        total += call_cost(shape, [Row(chunk, start)], 1, spec, num_devices).seconds
+        start += chunk
+    return total
+
+
+def copy_cost(shape: ModelShape, tokens: int, spec: DeviceSpec | None = None) -> float:
+    """Seconds for an on-device KV copy of ``tokens`` slots (every layer's K and V): the
+    bytes are read once and written once at DRAM bandwidth, plus one call's fixed cost."""
+    spec = spec or DeviceSpec()
+    nbytes = 2.0 * tokens * shape.kv_bytes_per_token
+    return nbytes / (spec.dram_bytes_per_s * spec.dram_eff) + spec.call_overhead_s
