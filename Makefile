@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.rbln-ray-installed
 PEER       := .venv-vllm-rbln
 PEER_STAMP := $(PEER)/.peer-installed
 
-.PHONY: setup peer-env test lint demo clean ssh-test-tools
+.PHONY: setup peer-env test test-fast lint demo clean ssh-test-tools
 
 setup: $(STAMP) $(PEER_STAMP) ssh-test-tools
 
@@ -49,12 +49,17 @@ ssh-test-tools:
 	       "sudo apt-get install openssh-server rsync"; \
 	fi
 
-test: setup
-	$(BIN)/ruff check .
+# Everything (what .ci/run calls): lint, the layer order, then every test tier.
+test: setup lint
 	$(BIN)/python -m pytest
 
-lint:
+# The in-process tier (tests/unit: no subprocess, no Ray, no device), well under 2 minutes.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests/unit
+
+lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/python scripts/check_layers.py
 
 # The main job: the embedded default (demo model, 2 replicas, emulated ATOM, local Ray).
 demo: setup

@@ -3,7 +3,7 @@
 Why: optimum-rbln's decoder graphs call ``torch.ops.rbln_custom_ops.paged_*attn_*``; on an NPU
 the compiler lowers them, on CPU these functions define what they compute.
 
-Layouts (see DESIGN §3): q ``[B,Hkv,G,L,D]``; k,v ``[B,Hkv,1,L,D]``; kcache/vcache
+Layouts (ARCHITECTURE §4): q ``[B,Hkv,G,L,D]``; k,v ``[B,Hkv,1,L,D]``; kcache/vcache
 ``[num_blocks,Hkv,1,block,D]`` (written in place); ``seq`` ``[B,1]`` = logical position of the
 first query token; ``block_table`` 1-D (prefill, batch 1) or ``[B,nblk]`` (decode). Logical
 position ``p`` of row ``b`` lives in block ``block_table[b, p // block]`` at offset

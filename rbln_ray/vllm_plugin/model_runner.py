@@ -1,7 +1,7 @@
 """RBLN model runner: vLLM scheduler steps → optimum-rbln serving calls → sampled tokens.
 
 Each ``SchedulerOutput`` from :class:`RBLNScheduler` is either one prefill chunk or a batch of
-decodes (DESIGN §4), and carries a :class:`~rbln_ray.vllm_plugin.kv_blocks.KVStepPlan`: the
+decodes (ARCHITECTURE §4), and carries a :class:`~rbln_ray.vllm_plugin.kv_blocks.KVStepPlan`: the
 compiled RBLN KV blocks of every scheduled request, the on-device KV copies a prefix-cache
 hit needs, and a scratch block for padding rows.
 

@@ -55,7 +55,7 @@ class RBLNSchedulerOutput(SchedulerOutput):
 
 
 class _RBLNScheduling:
-    """DESIGN §4 step shapes, chunked prefill interleaved with decodes, RBLN block mapping.
+    """ARCHITECTURE §2 step shapes, chunked prefill interleaved with decodes, RBLN block mapping.
 
     A mixin over vLLM's ``Scheduler`` (:class:`RBLNScheduler`) or ``AsyncScheduler``
     (:class:`RBLNAsyncScheduler`, with async scheduling: vLLM's own placeholder bookkeeping

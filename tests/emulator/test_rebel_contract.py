@@ -48,7 +48,7 @@ EXCLUDED_PATHS: dict[str, str] = {
     "(Runtime.reset_adaptive_buffers)",
 }
 # Names optimum-rbln uses for models beyond the emulated decoder families (Llama, Qwen2/3,
-# Mistral; DESIGN section 11). Name pattern -> reason.
+# Mistral). Name pattern -> reason.
 EXCLUDED_NAMES: dict[str, str] = {
     r"^rebel\.Runtime\._index_to_input_name$": "Qwen3.5 runtime (hybrid linear attention)",
     r"^torch\.ops\.rbln\.tri_recur_update$": "Qwen3.5 linear attention",

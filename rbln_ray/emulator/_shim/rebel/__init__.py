@@ -9,6 +9,8 @@ import importlib.util
 import os
 import sys
 
+# Read directly, not through rbln_ray.common.envs: in the hand-over branch this shim must not
+# import rbln_ray (a real rebel process may not have it on its path).
 _here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 if os.environ.get("RBLN_RAY_DEVICE", "auto").strip().lower() == "emulated":

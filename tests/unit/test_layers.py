@@ -1,0 +1,42 @@
+"""The layer order of docs/ARCHITECTURE.md holds, and the check would catch a violation."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import check_layers  # noqa: E402
+
+
+def test_the_tree_follows_the_layer_order() -> None:
+    assert check_layers.violations(ROOT) == []
+
+
+def test_every_package_is_in_a_layer() -> None:
+    packages = {p.name for p in (ROOT / "rbln_ray").iterdir() if (p / "__init__.py").is_file()}
+    assert packages == set(check_layers.RANK)
+
+
+def test_a_backwards_import_fails_the_check(tmp_path: Path) -> None:
+    """The emulator importing the vLLM plugin (lazily, inside a function) is reported, and
+    so is a relative import reaching up; the script exits 1."""
+    tree = tmp_path / "repo"
+    shutil.copytree(ROOT / "rbln_ray", tree / "rbln_ray", ignore=shutil.ignore_patterns("*.pyc"))
+    shutil.copytree(ROOT / "scripts", tree / "scripts", ignore=shutil.ignore_patterns("*.pyc"))
+    (tree / "rbln_ray" / "emulator" / "backwards.py").write_text(
+        "def f():\n    from rbln_ray.vllm_plugin import platform\n    return platform\n"
+    )
+    (tree / "rbln_ray" / "compile" / "upwards.py").write_text("from ..serve import naming\n")
+    problems = check_layers.violations(tree)
+    assert len(problems) == 2, problems
+    assert "emulator (layer 2) imports vllm_plugin (layer 5)" in problems[0] + problems[1]
+    assert any("compile (layer 3) imports serve" in p for p in problems)
+    proc = subprocess.run(
+        [sys.executable, str(tree / "scripts" / "check_layers.py")], capture_output=True, text=True
+    )
+    assert proc.returncode == 1 and "2 import(s) against the layer order" in proc.stdout

@@ -1,0 +1,189 @@
+"""The RBLN model runner in process, under the real RBLN scheduler, on a fake compiled model.
+
+The fake (:class:`KVCacheLM`) stands in for optimum-rbln's decoder model the way a device
+does: it keeps a KV cache of ``kvcache_num_blocks`` RBLN blocks, writes each call's tokens at
+the ``cache_position`` slots of the blocks its ``block_tables`` name, and predicts the next
+token from what its cache holds for that row. So a wrong position, block table, padding row
+or KV copy in the runner corrupts the context and shows up as a wrong token against the
+reference, which is computed from the token sequence itself (no runner, no cache).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.unit.engine_harness import MAX_LEN, Harness, write_artifact
+
+VOCAB = 4096
+
+
+def next_token(context: list[int]) -> int:
+    """The fake model's language: a function of the whole context, order-sensitive."""
+    h = 0
+    for t in context:
+        h = (h * 31 + t + 7) % 1_000_003
+    return 10 + h % (VOCAB - 10)
+
+
+def reference(prompt: list[int], max_tokens: int) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(max_tokens):
+        out.append(next_token(seq))
+        seq.append(out[-1])
+    return out
+
+
+class Prefill:
+    """``model.prefill_decoder``: callable, with the runtime (for KV copies) beside it."""
+
+    def __init__(self, model: KVCacheLM) -> None:
+        self.model, self.runtime = model, model
+
+    def __call__(self, **inputs):
+        return self.model._call(**inputs)
+
+
+class KVCacheLM:
+    """optimum-rbln's serving surface (``prefill_decoder``, ``decoders[bs]``, the runtime's
+    ``_copy_kv_cache``) over a token-level KV cache of the compiled block shape."""
+
+    def __init__(self, num_blocks: int, block_size: int, decoder_batch_sizes: list[int]) -> None:
+        self.block_size = block_size
+        self.kv = torch.full((num_blocks, block_size), -1, dtype=torch.long)
+        self.prefill_decoder = Prefill(self)
+        self.decoders = {bs: self._call for bs in decoder_batch_sizes}
+        self.copies = 0
+
+    def _slot(self, table: list[int], position: int) -> tuple[int, int] | None:
+        """Where ``position`` lives; None for a row without a block (``NO_BLOCK``: a padding
+        row when no scratch block is free), which a device neither writes nor reads."""
+        block = table[position // self.block_size]
+        return None if block < 0 else (block, position % self.block_size)
+
+    def _call(self, input_ids, cache_position, block_tables, attention_mask=None):
+        tables = block_tables.view(input_ids.shape[0], -1).tolist()
+        logits = torch.zeros(input_ids.shape[0], input_ids.shape[1], VOCAB)
+        for row, (ids, positions, table) in enumerate(
+            zip(input_ids.tolist(), cache_position.tolist(), tables, strict=True)
+        ):
+            slots = [self._slot(table, p) for p in range(positions[-1] + 1)]
+            if None in slots:
+                continue  # zero logits: a live row here samples token 0, never the reference
+            for token, position in zip(ids, positions, strict=True):
+                self.kv[slots[position]] = token
+            context = [int(self.kv[slot]) for slot in slots]
+            if -1 not in context:  # else unwritten KV was read: zero logits, a wrong token
+                logits[row, -1, next_token(context)] = 1.0
+        return SimpleNamespace(logits=logits)
+
+    def _copy_kv_cache(self, src: int, dst: int, length: int) -> None:
+        self.kv[dst, :length] = self.kv[src, :length]
+        self.copies += 1
+
+
+class Engine(Harness):
+    """The scheduler harness plus a real RBLNModelRunner on the fake model, stepped like
+    vLLM's engine core (synchronously, or one step ahead with async scheduling)."""
+
+    def __init__(self, artifact: Path, **engine: object) -> None:
+        super().__init__(artifact, **engine)
+        from rbln_ray.compile.artifact import CompiledArtifact
+        from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner
+        from rbln_ray.vllm_plugin.platform import block_layout
+
+        art = CompiledArtifact.load(artifact)
+        self.model = KVCacheLM(
+            art.kvcache_num_blocks, art.kvcache_block_size, list(art.decoder_batch_sizes)
+        )
+        self.runner = RBLNModelRunner(self.config, art, self.model, block_layout(art))
+        self.outputs: dict[str, list[int]] = {}
+
+    def drive(self, limit: int = 2000) -> dict[str, list[int]]:
+        in_flight = None
+        for _ in range(limit):
+            if not self.scheduler.has_requests() and in_flight is None:
+                return self.outputs
+            so = self.scheduler.schedule()
+            result = self.run_step(so)
+            if self.config.scheduler_config.async_scheduling:
+                # vLLM's async loop: step N's output is applied after step N+1 was scheduled.
+                if in_flight is not None:
+                    self._apply(*in_flight)
+                in_flight = (so, result) if so.total_num_scheduled_tokens else None
+            else:
+                self._apply(so, result)
+        raise AssertionError(f"requests unfinished after {limit} steps")
+
+    def run_step(self, so):
+        self.runner.execute_model(so)
+        return self.runner.sample_tokens(None)
+
+    def _apply(self, so, result) -> None:
+        for req_id, tokens in zip(result.req_ids, result.sampled_token_ids, strict=True):
+            self.outputs.setdefault(req_id, []).extend(tokens)
+        self.scheduler.update_from_output(so, result)
+
+
+PROMPTS = {
+    "one": [5],
+    "short": [100, 200, 300],
+    "chunk": list(range(1000, 1130)),  # crosses a 128-token chunk
+    "long": [7 + (i % 50) for i in range(300)],  # three chunks
+    "mid": list(range(2000, 2060)),
+}
+LENGTHS = {"one": 9, "short": 20, "chunk": 5, "long": 12, "mid": 30}
+
+
+@pytest.fixture(
+    params=[
+        {},  # eager: one RBLN block of max_seq_len per sequence
+        {"kvcache_block_size": 256, "kvcache_num_blocks": 8},  # flash-like: 2 blocks each
+    ],
+    ids=["eager", "paged"],
+)
+def artifact(request, tmp_path: Path) -> Path:
+    return write_artifact(tmp_path, **request.param)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_mixed_batch_matches_the_reference(artifact: Path, async_scheduling: bool) -> None:
+    engine = Engine(artifact, async_scheduling=async_scheduling)
+    for req_id, prompt in PROMPTS.items():
+        engine.add(req_id, prompt, LENGTHS[req_id])
+    outputs = engine.drive()
+    for req_id, prompt in PROMPTS.items():
+        assert outputs[req_id] == reference(prompt, LENGTHS[req_id]), req_id
+    stats = engine.runner.stats
+    assert stats.padded_rows > 0  # requests finished at different times: padding rows ran
+    assert stats.prefill_requests == len(PROMPTS)
+
+
+def test_prefix_hits_copy_or_adopt_kv_and_stay_exact(artifact: Path) -> None:
+    engine = Engine(artifact, async_scheduling=False)
+    shared = [3 + (i * 7) % 900 for i in range(260)]  # two full 128-token vLLM blocks
+    engine.add("a", shared + [1], max_tokens=40)
+    while not engine.outputs.get("a"):  # a's prompt done; a keeps its block while decoding
+        so = engine.scheduler.schedule()
+        engine._apply(so, engine.run_step(so))
+    engine.add("b", shared + [2, 3], max_tokens=6)  # a still runs: the KV is copied
+    engine.drive()
+    stats = engine.runner.stats
+    assert engine.model.copies >= 1 and stats.kv_copies == engine.model.copies
+    assert stats.prefix_reused_tokens == 256  # b's two full vLLM blocks
+    engine.add("c", shared + [4], max_tokens=6)  # a and b finished: a free block is adopted
+    outputs = engine.drive()
+    # At least one block of the hit is reused (a free holder may have given its last vLLM
+    # block to the decode steps' scratch slot).
+    assert stats.prefix_reused_tokens >= 256 + 128
+    for req_id, prompt in {"a": shared + [1], "b": shared + [2, 3], "c": shared + [4]}.items():
+        assert outputs[req_id] == reference(prompt, len(outputs[req_id])), req_id
+
+def test_the_compiled_length_bounds_a_request(artifact: Path) -> None:
+    engine = Engine(artifact, async_scheduling=False)
+    prompt = list(range(10, 10 + MAX_LEN - 4))
+    engine.add("edge", prompt, max_tokens=4)  # fills the compiled max_seq_len exactly
+    assert engine.drive()["edge"] == reference(prompt, 4)
