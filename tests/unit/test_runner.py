@@ -182,6 +182,7 @@ def test_prefix_hits_copy_or_adopt_kv_and_stay_exact(artifact: Path) -> None:
     for req_id, prompt in {"a": shared + [1], "b": shared + [2, 3], "c": shared + [4]}.items():
         assert outputs[req_id] == reference(prompt, len(outputs[req_id])), req_id
 
+
 def test_the_compiled_length_bounds_a_request(artifact: Path) -> None:
     engine = Engine(artifact, async_scheduling=False)
     prompt = list(range(10, 10 + MAX_LEN - 4))
