@@ -43,3 +43,15 @@ def tiny_models() -> dict[str, Path]:
     from rbln_ray.models import FAMILIES, build_tiny_model
 
     return {family: build_tiny_model(family=family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Head (no RBLN) + 2 nodes × 2 RBLN; devices are 0..1 on each node. Yields the address.
+
+    Module-scoped: the module's tests share it; it is torn down before the next module
+    (later modules connect this process to Ray instances of their own)."""
+    from tests.ray_cluster import DEVICES_PER_NODE, NODES, multinode_cluster
+
+    with multinode_cluster(tmp_path_factory.mktemp("rbln-cache"), NODES, DEVICES_PER_NODE) as addr:
+        yield addr

@@ -16,6 +16,7 @@ from pathlib import Path
 from tests.helpers import run_python
 
 ENGINE_ENV = {"RBLN_RAY_DEVICE": "emulated", "OMP_NUM_THREADS": "1"}
+NODES, DEVICES_PER_NODE = 2, 2  # the shared test cluster: head (no RBLN) + 2 nodes × 2 RBLN
 
 
 @contextlib.contextmanager
@@ -61,7 +62,7 @@ def run_engine_script(script: Path, address: str, spec: dict, timeout: float = 6
     return {**result, "stderr": proc.stderr}
 
 
-def wait_all_rbln_free(total: float, timeout: float = 30) -> float:
+def wait_all_rbln_free(total: float = NODES * DEVICES_PER_NODE, timeout: float = 30) -> float:
     """Bounded poll until ``total`` RBLN of the cluster are free again; returns what is free."""
     import ray
 

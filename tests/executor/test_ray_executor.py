@@ -11,20 +11,17 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rbln_ray.executor import PlacementPlan
 from tests.helpers import hf_greedy
-from tests.ray_cluster import ENGINE_ENV, multinode_cluster, run_engine_script
-from tests.ray_cluster import wait_all_rbln_free as wait_rbln
+from tests.ray_cluster import ENGINE_ENV, run_engine_script, wait_all_rbln_free
 
 SCRIPT = Path(__file__).with_name("engine_script.py")
 PROMPTS = [[1, 17, 42, 99, 7], [5, 6, 7, 8, 9, 10, 11], [300, 200, 100]]
 MAX_TOKENS = 12
-DEVICES_PER_NODE = 2
 
 
 # -- no cluster needed ------------------------------------------------------------------------
@@ -73,19 +70,8 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Head (no RBLN) + 2 nodes × 2 RBLN; devices are 0..1 on each node. Yields the address."""
-    with multinode_cluster(tmp_path_factory.mktemp("rbln-cache"), 2, DEVICES_PER_NODE) as address:
-        yield address
-
-
 def run_script(address: str, spec: dict, timeout: float = 300) -> dict:
     return run_engine_script(SCRIPT, address, spec, timeout)
-
-
-def wait_all_rbln_free(timeout: float = 30) -> float:
-    return wait_rbln(2 * DEVICES_PER_NODE, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import EIGHT_PROMPTS, count_refills, hf_greedy
-from tests.ray_cluster import ENGINE_ENV, multinode_cluster, run_engine_script
-from tests.ray_cluster import wait_all_rbln_free as wait_rbln
+from tests.ray_cluster import ENGINE_ENV, run_engine_script, wait_all_rbln_free
 
 SCRIPT = Path(__file__).with_name("pipeline_script.py")
-DEVICES_PER_NODE = 2
 NUM_LAYERS = 4
 COMPILE = {"batch_size": 4, "max_seq_len": 512, "decoder_batch_sizes": [4, 2, 1]}
 
@@ -101,19 +98,8 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Head (no RBLN) + 2 nodes × 2 RBLN; devices are 0..1 on each node. Yields the address."""
-    with multinode_cluster(tmp_path_factory.mktemp("rbln-cache"), 2, DEVICES_PER_NODE) as address:
-        yield address
-
-
 def run_script(address: str, spec: dict, timeout: float = 600) -> dict:
     return run_engine_script(SCRIPT, address, spec, timeout)
-
-
-def wait_all_rbln_free(timeout: float = 30) -> float:
-    return wait_rbln(2 * DEVICES_PER_NODE, timeout)
 
 
 def assert_spread(devices: list[dict], stages: int) -> None:
