@@ -49,9 +49,11 @@ ssh-test-tools:
 	       "sudo apt-get install openssh-server rsync"; \
 	fi
 
-# Everything (what .ci/run calls): lint, the layer order, then every test tier.
+# Everything (what .ci/run calls): lint, the layer order, then every test tier, one test file
+# per worker at a time (TEST_WORKERS=0: all in this process, in file order).
+TEST_WORKERS ?= 2
 test: setup lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # The in-process tier (tests/unit: no subprocess, no Ray, no device), well under 2 minutes.
 test-fast: $(STAMP)

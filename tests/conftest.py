@@ -13,6 +13,22 @@ from pathlib import Path
 import pytest
 
 
+# Test files that share fixed resources run in one xdist worker, one after another: the
+# loopback "hosts" (127.0.0.10-12, sshd) and raylets on fixed addresses of tests/cluster.
+SERIAL_GROUPS = {"tests/cluster/": "loopback-hosts"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """With ``pytest -n N --dist loadgroup`` (``make test``), a test file is one unit of work:
+    its module-scoped engines, clusters and Serve apps start once, in one worker. Runs before
+    xdist's own hook, which reads the ``xdist_group`` marks."""
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        group = next((g for prefix, g in SERIAL_GROUPS.items() if path.startswith(prefix)), path)
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def test_environment() -> Iterator[None]:
     """The environment every test and the processes it starts run in, set for the session
