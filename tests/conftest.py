@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-
 # Test files that share fixed resources run in one xdist worker, one after another: the
 # loopback "hosts" (127.0.0.10-12, sshd) and raylets on fixed addresses of tests/cluster.
 SERIAL_GROUPS = {"tests/cluster/": "loopback-hosts"}

@@ -5,17 +5,14 @@ from __future__ import annotations
 import gc
 import os
 import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import rebel
 import torch
 
 from rbln_ray.emulator import DeviceError, list_devices
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT, run_python
 
 
 class Accumulate(torch.nn.Module):
@@ -37,14 +34,13 @@ def _compile(kv_shape=(4,), ctx=None):
 
 
 def _child(code: str, **env: str) -> subprocess.CompletedProcess:
-    full_env = dict(os.environ, PYTHONPATH=str(ROOT), **env)
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=full_env,
+    _, proc = run_python(
+        ["-c", textwrap.dedent(code)],
+        full_env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
         timeout=120,
+        check=False,
     )
+    return proc
 
 
 def test_visible_devices_are_logical(monkeypatch):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT, run_python
+
 PROBE = """
     import sys
     from rbln_ray.emulator import ensure_runtime, is_emulated
@@ -36,13 +36,8 @@ def _run(code: str, mode: str, pythonpath: list[Path | str]) -> subprocess.Compl
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RBLN_RAY_DEVICE")}
     env["RBLN_RAY_DEVICE"] = mode
     env["PYTHONPATH"] = os.pathsep.join(map(str, [ROOT, *pythonpath]))
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    _, proc = run_python(["-c", textwrap.dedent(code)], full_env=env, timeout=120, check=False)
+    return proc
 
 
 def test_auto_leaves_a_real_rebel_alone(fake_rebel):
