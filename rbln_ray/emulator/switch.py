@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Literal
 
+from rbln_ray.emulator.quiet import silence_missing_compiler_warning
+
 logger = logging.getLogger(__name__)
 
 MODE_ENV = "RBLN_RAY_DEVICE"
@@ -75,6 +77,7 @@ def activate(propagate: bool = True) -> None:
     if is_emulated():
         if propagate:
             _propagate()
+        silence_missing_compiler_warning()
         return
     if "rebel" in sys.modules:
         spec = sys.modules["rebel"].__spec__
@@ -89,6 +92,7 @@ def activate(propagate: bool = True) -> None:
         sys.modules[f"rebel.{name}"] = importlib.import_module(f"{emulated.__name__}.{name}")
     if propagate:
         _propagate()
+    silence_missing_compiler_warning()
     logger.info("rebel emulator active (%s)", emulated.__version__)
 
 
