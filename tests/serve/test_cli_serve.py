@@ -145,6 +145,8 @@ def test_every_socket_of_the_process_tree_is_on_loopback(embedded: ServeProcess)
     # The tree really was inspected: Ray's daemons, Serve and vLLM all hold sockets.
     assert {"gcs_server", "raylet"} <= names and any("EngineCore" in n for n in names), names
     print(f"{len(seen)} sockets in {len(names)} kinds of process, all on loopback")
+    for pid, name, ip, port in sorted(seen, key=lambda e: (e[1], e[3])):
+        print(f"  {name:<40} pid {pid:<8} {ip}:{port}")
     assert not exposed, exposed
 
 
