@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from ray import serve
 
     from rbln_ray.cli.runtime_choice import choose_runtime
+    from rbln_ray.logging_setup import LEVEL_ENV
     from rbln_ray.serve import APP_NAME, build_app
 
     runtime = choose_runtime()
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     start_ray(args.address, emulated=runtime == "emulated")
     serve.start(http_options={"host": config.host, "port": config.port})
     logger.info("starting %d model(s): %s", len(config.models), [m.name for m in config.models])
-    level = os.environ.get("RBLN_RAY_LOG_LEVEL", "INFO").upper()
+    level = os.environ.get(LEVEL_ENV, "INFO").upper()
     serve.run(
         build_app(config),
         name=APP_NAME,
