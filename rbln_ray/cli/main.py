@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
-from rbln_ray.common.logging_setup import setup_logging
+from rbln_ray.common.logging_setup import LEVELS, apply_process_defaults, setup_logging
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -87,16 +89,38 @@ def cmd_build_model(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from rbln_ray.serve.local_ray import prepare_loopback
+
+    if not (args.address or os.environ.get("RAY_ADDRESS")):
+        prepare_loopback()  # before anything imports ray (serve_cmd does)
     from rbln_ray.cli.serve_cmd import run
 
     return run(args)
 
 
+def apply_log_level(level: str | None) -> None:
+    """``--log-level``: rbln-ray's own logger, and (through the environment, which every
+    process started from here inherits) vLLM's and Serve's logs of replicas and workers."""
+    setup_logging(level)
+    if level is not None:
+        os.environ["VLLM_LOGGING_LEVEL"] = level.upper()
+
+
 def parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        help="log level of rbln-ray, vLLM and Serve in every process (default: info; "
+        "env RBLN_RAY_LOG_LEVEL)",
+    )
     p = argparse.ArgumentParser(prog="rbln-ray", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="serve models over OpenAI-compatible HTTP (Ray Serve)")
+    def add_parser(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], **kwargs)
+
+    s = add_parser("serve", help="serve models over OpenAI-compatible HTTP (Ray Serve)")
     s.add_argument("--config", help="YAML config (default: the embedded demo, 2 replicas)")
     s.add_argument("--host", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="HTTP port (default 8000)")
@@ -106,7 +130,7 @@ def parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(func=cmd_serve)
 
-    c = sub.add_parser("compile", help="compile an HF model directory with optimum-rbln")
+    c = add_parser("compile", help="compile an HF model directory with optimum-rbln")
     c.add_argument("hf_dir")
     c.add_argument("out_dir")
     c.add_argument("--batch-size", type=int, default=4)
@@ -129,10 +153,10 @@ def parser() -> argparse.ArgumentParser:
     )
     c.set_defaults(func=cmd_compile)
 
-    d = sub.add_parser("devices", help="list RBLN devices (real or emulated)")
+    d = add_parser("devices", help="list RBLN devices (real or emulated)")
     d.set_defaults(func=cmd_devices)
 
-    b = sub.add_parser("build-model", help="build a local test model (or train the demo model)")
+    b = add_parser("build-model", help="build a local test model (or train the demo model)")
     b.add_argument("family", choices=["llama", "qwen2", "qwen3", "mistral", "demo"])
     b.add_argument("--out", type=Path)
     b.add_argument("--hidden-size", type=int, default=128)
@@ -144,7 +168,7 @@ def parser() -> argparse.ArgumentParser:
 
     from rbln_ray.cluster import node_stop
 
-    st = sub.add_parser(
+    st = add_parser(
         "stop-node",
         help="stop this host's Ray node of one cluster (a scoped `ray stop`; see ray-up configs)",
     )
@@ -153,15 +177,16 @@ def parser() -> argparse.ArgumentParser:
 
     from rbln_ray.cli import plan_cmd
 
-    pl = sub.add_parser("plan", help="estimate RBLN cards, devices per worker and replicas")
+    pl = add_parser("plan", help="estimate RBLN cards, devices per worker and replicas")
     plan_cmd.add_arguments(pl)
     pl.set_defaults(func=plan_cmd.run)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    setup_logging()
+    apply_process_defaults()
     args = parser().parse_args(argv)
+    apply_log_level(args.log_level)
     return args.func(args)
 
 

@@ -14,6 +14,7 @@ logger = logging.getLogger("rbln_ray.cli")
 
 # The demo model's compile settings: batch 4 with smaller decode graphs for light load.
 DEMO_COMPILE = {"batch_size": 4, "max_seq_len": 1024, "decoder_batch_sizes": (4, 2, 1)}
+PROBE_TIMEOUT_S = 120.0
 
 
 def prepare_models(config: AppConfig) -> AppConfig:
@@ -32,10 +33,12 @@ def prepare_models(config: AppConfig) -> AppConfig:
 
 
 def start_ray(address: str | None, emulated: bool) -> None:
-    """Join ``address`` (or ``RAY_ADDRESS``), else start a local instance with the devices."""
+    """Join ``address`` (or ``RAY_ADDRESS``), else start a local instance with the devices,
+    closed to the network (:mod:`rbln_ray.serve.local_ray`)."""
     import ray
 
     from rbln_ray.emulator.devices import physical_count
+    from rbln_ray.serve.local_ray import start_loopback_ray
 
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
@@ -43,13 +46,42 @@ def start_ray(address: str | None, emulated: bool) -> None:
         return
     resources = {"RBLN": physical_count()} if emulated else None
     # Bundle CPUs are accounting, not cores: give the local instance room for the replicas.
-    ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), resources=resources)
+    start_loopback_ray(num_cpus=max(8, os.cpu_count() or 1), resources=resources)
+
+
+def probe_http_path(config: AppConfig) -> None:
+    """One tiny completion per model through the HTTP proxy before ``ready`` is printed.
+
+    Why: the replicas warmed themselves up (:mod:`rbln_ray.serve.warmup`) and the ingress its
+    request path, but the proxy's route to the ingress and the ingress's handles to the
+    models are set up on their first request; this way that is not the user's.
+    """
+    import httpx
+
+    key = config.resolved_api_key()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+    for m in config.models:
+        body = {"model": m.name, "prompt": "Hello", "max_tokens": 1}
+        try:
+            r = httpx.post(
+                f"http://{host}:{config.port}/v1/completions",
+                json=body,
+                headers=headers,
+                timeout=PROBE_TIMEOUT_S,
+            )
+            ok = r.status_code == 200
+        except httpx.HTTPError as exc:
+            ok, r = False, exc
+        if not ok:
+            logger.warning("model %s: the HTTP probe before ready failed: %s", m.name, r)
 
 
 def run(args: argparse.Namespace) -> int:
     from ray import serve
 
     from rbln_ray.cli.runtime_choice import choose_runtime
+    from rbln_ray.common.logging_setup import LEVEL_ENV
     from rbln_ray.serve import APP_NAME, build_app
 
     runtime = choose_runtime()
@@ -61,8 +93,16 @@ def run(args: argparse.Namespace) -> int:
     start_ray(args.address, emulated=runtime == "emulated")
     serve.start(http_options={"host": config.host, "port": config.port})
     logger.info("starting %d model(s): %s", len(config.models), [m.name for m in config.models])
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+    level = os.environ.get(LEVEL_ENV, "INFO").upper()
+    serve.run(
+        build_app(config),
+        name=APP_NAME,
+        route_prefix="/",
+        blocking=False,
+        logging_config={"log_level": level},
+    )
     url = f"http://{config.host}:{config.port}"
+    probe_http_path(config)
     print(f"rbln-ray is ready: {url}/v1 (models: {', '.join(m.name for m in config.models)})")
     print(
         f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "

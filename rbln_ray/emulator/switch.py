@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from rbln_ray.common import envs
+from rbln_ray.emulator.quiet import silence_missing_compiler_warning
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ def activate(propagate: bool = True) -> None:
     if is_emulated():
         if propagate:
             _propagate()
+        silence_missing_compiler_warning()
         return
     if "rebel" in sys.modules:
         spec = sys.modules["rebel"].__spec__
@@ -93,6 +95,7 @@ def activate(propagate: bool = True) -> None:
         sys.modules[f"rebel.{name}"] = importlib.import_module(f"{emulated.__name__}.{name}")
     if propagate:
         _propagate()
+    silence_missing_compiler_warning()
     logger.info("rebel emulator active (%s)", emulated.__version__)
 
 

@@ -63,6 +63,15 @@ def compiled_batch_size(cfg: ModelDeploymentConfig) -> int:
     return art.batch_size if art is not None else CompileSettings.from_dict(cfg.compile).batch_size
 
 
+def compiled_max_seq_len(cfg: ModelDeploymentConfig) -> int | None:
+    """The model's context length (compiled ``max_seq_len``); None when only the compile at
+    start will know it (an HF dir without ``compile.max_seq_len``)."""
+    art = served_artifact(cfg)
+    if art is not None:
+        return art.max_seq_len
+    return CompileSettings.from_dict(cfg.compile).max_seq_len
+
+
 def replica_max_ongoing(cfg: ModelDeploymentConfig) -> int:
     """Requests Serve hands one replica at a time: by default 2 x its decode slots.
 
@@ -121,7 +130,13 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
         )  # fmt: skip
     hub = (
         serve.deployment(MetricsHub)
-        .options(name="MetricsHub", num_replicas=1, ray_actor_options={"num_cpus": 0})
+        .options(
+            name="MetricsHub",
+            num_replicas=1,
+            ray_actor_options={"num_cpus": 0},
+            # Every replica pushes every 2 s: an access-log line per push floods the log.
+            logging_config={"enable_access_log": False},
+        )
         .bind()
     )
     servers = {m.name: build_server(m, hub, config.routing) for m in config.models}
@@ -131,4 +146,5 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(servers, config.resolved_api_key(), hub, config.limits.model_dump())
+    lens = {m.name: compiled_max_seq_len(m) for m in config.models}
+    return ingress.bind(servers, config.resolved_api_key(), hub, config.limits.model_dump(), lens)

@@ -77,6 +77,9 @@ class ModelDeploymentConfig(_Strict):
     # Requests waiting for a replica beyond this get 429 instead of queueing without bound.
     max_queued_requests: int = Field(default=256, ge=1)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # Each replica serves a few tiny requests of its own before it reports healthy, so that
+    # no user request pays for first device calls (rbln_ray.serve.warmup).
+    warm_up: bool = True
 
     @model_validator(mode="after")
     def _replicas(self) -> ModelDeploymentConfig:

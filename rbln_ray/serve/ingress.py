@@ -8,6 +8,7 @@ A client that disconnects cancels the handle call, which aborts the request in t
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -35,6 +36,55 @@ def error_response(status: int, message: str, err_type: str | None = None) -> JS
     return JSONResponse(body, status_code=status)
 
 
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+async def read_body(request: Request, cap: int) -> bytes | None:
+    """The request body, read chunk by chunk; None as soon as it exceeds ``cap`` bytes.
+
+    Why not ``request.body()``: that buffers the whole body before anyone can look at its
+    size, and a chunked upload has no ``Content-Length`` to check first.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def max_tokens_limit(cap: int, max_model_len: int | None) -> int:
+    """The largest ``max_tokens`` a model accepts: the configured cap, or its compiled
+    ``max_seq_len`` when that is smaller (no completion can be longer than the context)."""
+    return cap if max_model_len is None else min(cap, max_model_len)
+
+
+def max_tokens_message(model: str, max_tokens: int, limit: int) -> str:
+    """The one message for a ``max_tokens`` above the cap or the compiled context."""
+    return (
+        f"max_tokens={max_tokens} exceeds the limit of {limit} for model {model!r} (the "
+        "smaller of the configured limit and the compiled max_seq_len)"
+    )
+
+
+def warm_request_path() -> None:
+    """Import and run once what the first request would otherwise pay for: vLLM's protocol
+    models and their validation, and vLLM's error responses (seconds of imports, measured
+    on the first request before issue 18)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    CompletionRequest.model_validate({"model": "warm-up", "prompt": "x", "max_tokens": 1})
+    ChatCompletionRequest.model_validate(
+        {"model": "warm-up", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    )
+    error_response(400, "warm-up").render({"warm": "up"})
+
+
 def validation_message(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
@@ -44,24 +94,50 @@ def validation_message(exc: ValidationError) -> str:
 
 
 class OpenAIIngress:
-    """FastAPI ingress; ``servers`` maps served model names to their deployment handles."""
+    """FastAPI ingress; ``servers`` maps served model names to their deployment handles.
 
-    def __init__(
+    ``max_model_lens`` maps each model to its compiled ``max_seq_len`` (when known), so a
+    ``max_tokens`` beyond it or beyond the configured cap gets one message (:meth:`_parse`).
+    """
+
+    async def __init__(
         self,
         servers: dict[str, Any],
         api_key: str | None,
         metrics_hub: Any,
         limits: dict[str, Any] | None = None,
+        max_model_lens: dict[str, int | None] | None = None,
     ) -> None:
         from ray import serve
 
         from rbln_ray.serve.config import RequestLimits
+        from rbln_ray.serve.replica_bind import bind_replica_grpc_to_loopback
+        from rbln_ray.serve.request_metrics import declare_models
 
+        bind_replica_grpc_to_loopback()
         self.limits = RequestLimits.model_validate(limits or {})
         self.servers = servers
+        self.max_model_lens = dict(max_model_lens or {})
         self.metrics_hub = metrics_hub
         self.api_key = api_key
-        self.app_name = serve.get_replica_context().app_name
+        context = serve.get_replica_context()
+        self.app_name = context.app_name
+        self.replica = context.replica_id.unique_id
+        declare_models(servers)
+        warm_request_path()
+        self._tasks = [asyncio.create_task(self._push_metrics())] if metrics_hub else []
+
+    async def _push_metrics(self) -> None:
+        """Feed this ingress's request counters to the MetricsHub until shutdown."""
+        from rbln_ray.serve.metrics import PUSH_PERIOD_S
+        from rbln_ray.serve.request_metrics import exposition
+
+        while True:
+            try:
+                await self.metrics_hub.push.remote(f"ingress/{self.replica}", exposition())
+            except Exception:  # noqa: BLE001 - metrics must never take the ingress down
+                logger.debug("ingress metrics push failed", exc_info=True)
+            await asyncio.sleep(PUSH_PERIOD_S)
 
     # ---------------------------------------------------------------- helpers
     def _unauthorized(self, request: Request) -> JSONResponse | None:
@@ -77,8 +153,8 @@ class OpenAIIngress:
         cap = self.limits.max_request_bytes
         if int(request.headers.get("content-length") or 0) > cap:
             return error_response(413, f"request body exceeds {cap} bytes")
-        raw = await request.body()
-        if len(raw) > cap:
+        raw = await read_body(request, cap)
+        if raw is None:
             return error_response(413, f"request body exceeds {cap} bytes")
         try:
             body = json.loads(raw)
@@ -92,15 +168,6 @@ class OpenAIIngress:
             return error_response(400, validation_message(exc))
         except (VLLMClientError, ValueError) as exc:  # vLLM's own request checks
             return error_response(400, str(exc))
-        if (parsed.n or 1) > self.limits.max_n:
-            return error_response(400, f"n={parsed.n} exceeds the limit of {self.limits.max_n}")
-        max_tokens = getattr(parsed, "max_tokens", None) or getattr(
-            parsed, "max_completion_tokens", None
-        )
-        if max_tokens is not None and max_tokens > self.limits.max_tokens:
-            return error_response(
-                400, f"max_tokens={max_tokens} exceeds the limit of {self.limits.max_tokens}"
-            )
         known = ", ".join(sorted(self.servers))
         if not parsed.model:
             return error_response(400, f"model: field required (served models: {known})")
@@ -110,21 +177,53 @@ class OpenAIIngress:
                 f"model {parsed.model!r} does not exist; served models: {known}",
                 "NotFoundError",
             )
+        if (parsed.n or 1) > self.limits.max_n:
+            return error_response(400, f"n={parsed.n} exceeds the limit of {self.limits.max_n}")
+        max_tokens = getattr(parsed, "max_tokens", None) or getattr(
+            parsed, "max_completion_tokens", None
+        )
+        limit = max_tokens_limit(self.limits.max_tokens, self.max_model_lens.get(parsed.model))
+        if max_tokens is not None and max_tokens > limit:
+            return error_response(400, max_tokens_message(parsed.model, max_tokens, limit))
         return parsed
 
     async def _relay(self, parsed: Any, method: str) -> Response:
-        """Call the model's server and turn its stream into a JSON or SSE response."""
+        """Call the model's server and turn its stream into a JSON or SSE response.
+
+        A call whose replica or engine died before the first item (the whole body, or the
+        first streamed token) is retried once (:mod:`rbln_ray.serve.retry`); after that, a
+        failure is a 503, or for a stream under way a final SSE error event.
+        """
+        from rbln_ray.serve.request_metrics import record_retry
+        from rbln_ray.serve.retry import retry_reason
+
         handle = self.servers[parsed.model].options(stream=True)
-        stream = getattr(handle, method).remote(parsed)
-        try:
-            first = await stream.__anext__()
-        except BackPressureError:
-            return error_response(
-                429, f"model {parsed.model!r} is at capacity; retry later", "TooManyRequestsError"
-            )
-        except Exception as exc:  # noqa: BLE001 - any replica failure is this request's 5xx
-            logger.warning("model %s failed a request: %s", parsed.model, exc)
-            return error_response(503, f"model {parsed.model!r} failed: {type(exc).__name__}")
+        for attempt in (1, 2):
+            stream = getattr(handle, method).remote(parsed)
+            try:
+                first = await stream.__anext__()
+                break
+            except BackPressureError:
+                return error_response(
+                    429,
+                    f"model {parsed.model!r} is at capacity; retry later",
+                    "TooManyRequestsError",
+                )
+            except Exception as exc:  # noqa: BLE001 - classified below, never re-raised
+                stream.cancel()  # a no-op for a dead replica; aborts anything still running
+                reason = retry_reason(exc)
+                if attempt == 1 and reason is not None:
+                    record_retry(parsed.model, reason)
+                    logger.warning(
+                        "model %s: %s before the response began (%s); retrying once on "
+                        "another replica",
+                        parsed.model,
+                        reason.replace("_", " "),
+                        first_line(exc),
+                    )
+                    continue
+                logger.warning("model %s failed a request: %s", parsed.model, first_line(exc))
+                return error_response(503, f"model {parsed.model!r} failed: {type(exc).__name__}")
         if isinstance(first, dict):
             status = first.get("error", {}).get("code", 200) if "error" in first else 200
             return JSONResponse(first, status_code=status)
@@ -135,7 +234,7 @@ class OpenAIIngress:
                 async for chunk in stream:
                     yield chunk
             except Exception as exc:  # noqa: BLE001 - end the stream with an error event
-                logger.warning("model %s failed mid-stream: %s", parsed.model, exc)
+                logger.warning("model %s failed mid-stream: %s", parsed.model, first_line(exc))
                 error = {
                     "message": f"model failed: {type(exc).__name__}",
                     "type": "ServerError",

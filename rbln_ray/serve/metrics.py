@@ -85,6 +85,9 @@ class MetricsHub:
     """One-replica deployment holding the latest exposition text of each server replica."""
 
     def __init__(self) -> None:
+        from rbln_ray.serve.replica_bind import bind_replica_grpc_to_loopback
+
+        bind_replica_grpc_to_loopback()
         self._texts: dict[str, tuple[float, str]] = {}
 
     def push(self, replica: str, text: str) -> None:

@@ -13,14 +13,19 @@ dict (a full response, or ``{"error": ...}``) or the SSE lines of a streaming re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from rbln_ray.serve.config import DEMO_MODEL, ModelDeploymentConfig
 
 logger = logging.getLogger(__name__)
+
+DEATH_TIMEOUT_S = 30.0  # bound on waiting for this replica's own kill (see LLMServer._die)
+STOP_TIMEOUT_S = 10.0  # bound on shutting a dead engine down before that kill
 
 
 def resolve_model_path(model: str) -> str:
@@ -46,6 +51,11 @@ def engine_namespace(cfg: ModelDeploymentConfig, model_path: str):
         if not hasattr(args, key):
             raise ValueError(f"engine_kwargs: unknown vLLM option {key!r} for model {cfg.name}")
         setattr(args, key, value)
+    if "fingerprint_mode" not in cfg.engine_kwargs:
+        # vLLM's default fingerprint hashes the whole engine config, which includes this
+        # replica's own Ray driver details: every replica would answer with another one.
+        args.fingerprint_mode = "custom"
+        args.fingerprint_value = deployment_fingerprint(cfg, model_path)
     args.distributed_executor_backend = "rbln_ray.executor.RBLNRayExecutor"
     args.additional_config = {
         **(args.additional_config or {}),
@@ -56,8 +66,29 @@ def engine_namespace(cfg: ModelDeploymentConfig, model_path: str):
     return args
 
 
+def deployment_fingerprint(cfg: ModelDeploymentConfig, model_path: str) -> str:
+    """``system_fingerprint`` of every response of one deployment: the same on every replica,
+    new when vLLM, the deployment's config or the compiled model change."""
+    import hashlib
+
+    from vllm import __version__ as vllm_version
+
+    digest = hashlib.sha256(cfg.model_dump_json().encode())
+    rbln_config = Path(model_path) / "rbln_config.json"
+    if rbln_config.is_file():
+        digest.update(rbln_config.read_bytes())
+    return f"vllm-{vllm_version}-rbln-{digest.hexdigest()[:8]}"
+
+
 class LLMServer:
-    """Hosts one engine for one model (a Serve replica)."""
+    """Hosts one engine for one model (a Serve replica).
+
+    Failure model: an engine that died (a worker actor lost, the engine core crashed) never
+    recovers, so the replica stops being one: it kills its own actor (:meth:`_die`). Requests
+    it held that had not started their response then fail with ``ActorDiedError``, which the
+    ingress retries on another replica, and Serve's routers drop the replica at once instead
+    of sending it more requests until the next health check.
+    """
 
     async def __init__(self, cfg: dict[str, Any], metrics_hub: Any = None) -> None:
         import ray
@@ -67,12 +98,18 @@ class LLMServer:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from rbln_ray.common.logging_setup import setup_logging
+        from rbln_ray.common.logging_setup import apply_process_defaults, setup_logging
         from rbln_ray.emulator import ensure_runtime
+        from rbln_ray.serve.replica_bind import bind_replica_grpc_to_loopback
+        from rbln_ray.serve.warmup import warm_up
+        from rbln_ray.vllm_plugin.platform import compiled_artifact
 
+        bind_replica_grpc_to_loopback()
+        apply_process_defaults()
         setup_logging()
         ensure_runtime()
         self.cfg = ModelDeploymentConfig.model_validate(cfg)
+        self._dying: asyncio.Task | None = None
         args = engine_namespace(self.cfg, resolve_model_path(self.cfg.model))
         engine_args = AsyncEngineArgs.from_cli_args(args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
@@ -86,6 +123,9 @@ class LLMServer:
         self.state = State()
         tasks = await self.engine.get_supported_tasks()
         await init_app_state(self.engine, self.state, args, tasks)
+        if self.cfg.warm_up:
+            sizes = compiled_artifact(vllm_config).decoder_batch_sizes
+            await warm_up(self.state, self.engine, self.cfg.name, sizes)
         self._metrics_task = (
             asyncio.create_task(self._push_metrics(metrics_hub)) if metrics_hub else None
         )
@@ -119,7 +159,10 @@ class LLMServer:
         """Run a vLLM serving call and relay its result (see module docstring).
 
         Request errors vLLM raises instead of returning (e.g. a negative ``max_tokens``) become
-        the same 4xx ``ErrorResponse`` vLLM's HTTP server would send; engine failures propagate.
+        the same 4xx ``ErrorResponse`` vLLM's HTTP server would send. When the engine is dead
+        and nothing of this response has been yielded yet, the replica dies instead of
+        answering (class docstring), so the ingress can retry elsewhere; a stream already under
+        way ends with vLLM's own error event.
         """
         from vllm.entrypoints.serve.exception_handling.error_response import (
             create_error_response,
@@ -129,13 +172,59 @@ class LLMServer:
         try:
             result = await create(request)
         except (VLLMClientError, ValueError, TypeError, OverflowError) as exc:
-            yield create_error_response(exc).model_dump()
-            return
+            if not self.engine.errored:
+                yield create_error_response(exc).model_dump()
+                return
+            await self._die(exc)
+        except Exception as exc:
+            if self.engine.errored:
+                await self._die(exc)
+            raise
         if hasattr(result, "model_dump"):  # a full response or an ErrorResponse
-            yield result.model_dump()
+            body = result.model_dump()
+            if "error" in body and self.engine.errored:
+                await self._die(RuntimeError(body["error"].get("message")))
+            yield body
             return
+        started = False
         async for chunk in result:
+            if not started and self.engine.errored and chunk.startswith('data: {"error"'):
+                await self._die(RuntimeError(chunk.strip()))
+            started = True
             yield chunk
+
+    async def _die(self, cause: BaseException) -> None:
+        """Take this replica down because its engine is dead; never returns normally.
+
+        The first caller kills the replica's actor (after shutting the engine down, which
+        frees its devices); every caller then waits for the kill to land. Should it not land
+        within ``DEATH_TIMEOUT_S``, the request fails with ``ReplicaUnavailableError``, which
+        the ingress retries too.
+        """
+        from rbln_ray.serve.retry import ReplicaUnavailableError
+
+        if self._dying is None:
+            logger.error(
+                "model %s: engine died (%s); taking replica pid %d down so its requests "
+                "go to another replica",
+                self.cfg.name,
+                cause,
+                os.getpid(),
+            )
+            self._dying = asyncio.create_task(self._kill_self())
+        # The process dies during this wait; the callers of this request see ActorDiedError.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.Event().wait(), timeout=DEATH_TIMEOUT_S)
+        raise ReplicaUnavailableError(f"model {self.cfg.name}: engine died ({cause})")
+
+    async def _kill_self(self) -> None:
+        import ray
+
+        try:  # stop the engine core and its workers first (bounded): frees the devices
+            await asyncio.wait_for(asyncio.to_thread(self.engine.shutdown), STOP_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - the kill below ends the replica regardless
+            logger.debug("engine shutdown after its death failed", exc_info=True)
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     async def completions(self, request: Any) -> AsyncIterator[Any]:
         create = self.state.openai_serving_completion.create_completion

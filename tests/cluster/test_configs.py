@@ -187,6 +187,8 @@ def test_rayservice_manifest(tmp_path: Path):
     assert doc["apiVersion"] == "ray.io/v1" and doc["kind"] == "RayService"
     cluster = doc["spec"]["rayClusterConfig"]
     head = cluster["headGroupSpec"]
+    # Multi-host: Ray's token authentication on (KubeRay generates and injects the token).
+    assert cluster["authOptions"] == {"mode": "token"}
     (workers,) = cluster["workerGroupSpecs"]
 
     # Workers ask Kubernetes for ATOMs and tell Ray the same count as RBLN.

@@ -76,3 +76,25 @@ def test_activation_reaches_children_through_the_environment(fake_rebel):
     assert handed.stdout.strip() == "True", handed.stderr
     absent = _run("import rebel", "auto", [shim])
     assert absent.returncode != 0 and "RBLN_RAY_DEVICE=emulated" in absent.stderr
+
+
+QUIET_PROBE = """
+    import warnings
+    original = warnings.showwarning
+    from rbln_ray.emulator import ensure_runtime
+    ensure_runtime()
+    if RESTORE:
+        warnings.showwarning = original
+    import optimum.rbln
+    warnings.simplefilter("always")
+    warnings.warn("some other import warning", ImportWarning)
+"""
+
+
+@pytest.mark.parametrize("restore", [False, True])
+def test_emulator_silences_only_the_missing_compiler_warning(restore: bool) -> None:
+    proc = _run(QUIET_PROBE.replace("RESTORE", str(restore)), "emulated", [])
+    assert proc.returncode == 0, proc.stderr
+    assert "some other import warning" in proc.stderr
+    # Without the emulator's hook (restored), optimum-rbln's own warning is what shows.
+    assert ("requires rebel-compiler" in proc.stderr) is restore, proc.stderr

@@ -142,3 +142,116 @@ def test_1000_malformed_requests_get_4xx_and_never_5xx(tiny_app: RunningApp) -> 
         ok = client.post(f"{tiny_app.url}/v1/completions", json=VALID)
     assert len(statuses) >= 1000
     assert ok.status_code == 200
+
+
+def read_answer(sock, first: bytes) -> bytes:
+    """The whole HTTP answer that starts with ``first``: headers, then ``content-length``
+    bytes of body (the server may send them in separate segments)."""
+    data = first
+    while b"\r\n\r\n" not in data:
+        more = sock.recv(65536)
+        if not more:
+            return data
+        data += more
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        (
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
+    while len(body) < length:
+        more = sock.recv(65536)
+        if not more:
+            break
+        body += more
+    return head + b"\r\n\r\n" + body
+
+
+def chunked_upload_until_answer(url: str, total: int, chunk: int) -> tuple[bytes, int]:
+    """POST a chunked body of ``total`` bytes (a JSON object's start, then whitespace) over a
+    raw socket, checking for the server's answer after every chunk; return the answer and
+    how much had been sent when it arrived.
+
+    Why a raw socket: HTTP clients send the whole body before reading the response, which
+    hides *when* the server answered.
+    """
+    import select
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    with socket.create_connection((where.hostname, where.port), timeout=60) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        head = b'{"model": "tiny", "prompt": "x", '
+        sock.sendall(b"%x\r\n%s\r\n" % (len(head), head))
+        sent, frame = len(head), b"%x\r\n%s\r\n" % (chunk, b" " * chunk)
+        while sent < total:
+            readable, _, _ = select.select([sock], [], [], 0)
+            if readable:
+                return read_answer(sock, sock.recv(65536)), sent
+            try:
+                sock.sendall(frame)
+            except OSError:  # the server closed the connection: read its answer
+                break
+            sent += chunk
+        readable, _, _ = select.select([sock], [], [], 60)
+        return (read_answer(sock, sock.recv(65536)) if readable else b""), sent
+
+
+def test_over_limit_body_is_rejected_without_reading_it(tiny_app: RunningApp) -> None:
+    """A chunked upload (no Content-Length) far over the 1 MiB cap gets its 413 while the
+    client is still sending: the ingress reads the body incrementally and stops at the cap
+    instead of buffering it all (``request.body()`` would wait for all 256 MiB). What the
+    client gets through before the answer arrives also fills the kernel's socket buffers and
+    the proxy's, several MiB on loopback and more under load (23 MiB measured at a load
+    average of 13 on 2 cores), hence the bound of a quarter."""
+    cap, total = 1 << 20, 256 << 20
+    answer, sent = chunked_upload_until_answer(tiny_app.url, total, 64 << 10)
+    print(f"413 after the client had sent {sent / 2**20:.1f} MiB of {total / 2**20:.0f} MiB")
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+    assert str(cap).encode() in answer
+    assert sent <= total // 4, f"answered only after {sent} bytes of a {total}-byte upload"
+    ok = httpx.post(f"{tiny_app.url}/v1/completions", json=VALID, timeout=60)
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("max_tokens", [600, 5000])
+def test_max_tokens_over_context_or_cap_gets_one_message(
+    tiny_app: RunningApp, max_tokens: int
+) -> None:
+    """The tiny model is compiled with max_seq_len 512 and the app caps max_tokens at 1000:
+    600 (over the context only) and 5000 (over both) get the same message and limit."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": max_tokens}
+    r = httpx.post(f"{tiny_app.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (
+        f"max_tokens={max_tokens} exceeds the limit of 512 for model 'tiny' (the smaller of "
+        "the configured limit and the compiled max_seq_len)"
+    )
+
+
+def test_system_fingerprint_is_the_same_on_every_replica(tiny_app: RunningApp) -> None:
+    from tests.reliability.conftest import replica_stats
+
+    def prefills() -> dict[str, int]:
+        return {
+            name: sum(s["prefill_requests"] for s in stats["steps"])
+            for name, stats in replica_stats(tiny_app).items()
+        }
+
+    before = prefills()
+    with httpx.Client(timeout=60) as client:
+        fingerprints = {
+            client.post(f"{tiny_app.url}/v1/completions", json=VALID).json()["system_fingerprint"]
+            for _ in range(16)
+        }
+    after = prefills()
+    assert all(after[name] > before[name] for name in before), (before, after)  # both served
+    assert len(fingerprints) == 1 and None not in fingerprints, fingerprints
+    assert next(iter(fingerprints)).startswith("vllm-0.30.0-rbln-")

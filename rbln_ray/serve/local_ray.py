@@ -1,0 +1,73 @@
+"""The Ray instance ``rbln-ray serve`` starts on this host: every socket on 127.0.0.1.
+
+Why: a plain ``ray.init()`` on Linux listens on all interfaces with GCS, raylet, object
+manager, every core worker (driver and each actor), the dashboard agent and the metrics
+exporters (measured with psutil, DESIGN §12), so anyone who can reach the host could join
+the cluster and run code in it. Serve's HTTP port on 127.0.0.1 does not help.
+
+What decides it in Ray 2.60:
+
+* The C++ servers (GCS, raylet, object manager, core workers) bind 127.0.0.1 only when the
+  node's IP *is* 127.0.0.1, else the wildcard address; the dashboard, its agent, the runtime
+  env agent and the metrics exporters bind the node IP. So everything follows the node IP.
+* ``ray.init(_node_ip_address="127.0.0.1")`` alone does not give that node IP: Ray rewrites
+  a loopback address to the host's routable one (``services.resolve_ip_for_localhost``),
+  except in Ray's single-host mode, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (its default on
+  macOS and Windows, where Ray keeps to loopback to avoid firewall prompts). Ray reads that
+  variable once, when ``ray`` is imported, in every process; the raylet passes the
+  environment on to every worker and agent, and vLLM's engine-core processes inherit it from
+  their replica, so the whole process tree agrees on 127.0.0.1.
+* The dashboard's HTTP server follows ``dashboard_host`` (127.0.0.1 here as well).
+
+The price: no other host can reach, hence join, this instance. Multi-host clusters are
+started with ``ray up`` or KubeRay (``cluster_configs/``, with Ray's token authentication)
+and joined with ``--address``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+SINGLE_HOST_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+class LoopbackError(RuntimeError):
+    """The local Ray instance could not be kept on the loopback interface."""
+
+
+def prepare_loopback() -> None:
+    """Put this process (and every process it starts) in Ray's single-host mode.
+
+    Must run before ``ray`` is imported here: Ray reads the variable at import.
+    """
+    if "ray" in sys.modules and os.environ.get(SINGLE_HOST_ENV) != "0":
+        raise LoopbackError(
+            "ray was imported before rbln-ray could select Ray's single-host mode; "
+            f"set {SINGLE_HOST_ENV}=0 in the environment"
+        )
+    os.environ[SINGLE_HOST_ENV] = "0"
+
+
+def start_loopback_ray(num_cpus: int, resources: dict[str, float] | None) -> None:
+    """Start a new local Ray instance whose every listening socket is on 127.0.0.1."""
+    prepare_loopback()
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        resources=resources,
+        _node_ip_address=LOOPBACK,
+        dashboard_host=LOOPBACK,
+    )
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip != LOOPBACK:  # the checks above make this unreachable; never serve exposed
+        ray.shutdown()
+        raise LoopbackError(f"the local Ray node came up on {node_ip}, not {LOOPBACK}")
+    gcs = ray.get_runtime_context().gcs_address
+    logger.info("local Ray instance listening on %s only (GCS %s)", LOOPBACK, gcs)

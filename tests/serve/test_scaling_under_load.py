@@ -1,0 +1,246 @@
+"""Autoscaling and redeploys while traffic runs, on a multi-node cluster: no request lost.
+
+One cluster and one app for the module (issue 18, acceptance 5): a head (dashboard, Serve
+controller and proxy, no RBLN) and two worker raylets with one emulated ATOM each, so at most
+two replicas of the tiny model fit. The app is deployed as operators do, with
+``serve deploy`` of a config file to the head's dashboard; the tests run in file order:
+
+1. ``autoscaling_config`` (min 1, max 3): under load Serve scales 1 -> 2, the third replica
+   finds no free device and waits (Serve says so in the deployment's status message and the
+   controller log), and once idle it scales back to 1, freeing the devices; 0 failed.
+2. ``serve deploy`` of a changed config (``num_replicas: 2``) while traffic runs: every
+   in-flight request finishes, 0 failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import compiled_model
+from tests.ray_cluster import multinode_cluster
+from tests.serve.conftest import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.multinode]
+
+MODEL = "tiny"
+APP = "rbln-ray"
+DEPLOYMENT = f"LLMServer:{MODEL}"
+SERVE_CLI = str(Path(sys.executable).parent / "serve")
+# Serve warns about (and reports in the status) replicas waiting for resources after 30 s by
+# default; a short threshold keeps the test short. Read by the Serve controller at start.
+WAIT_WARNING_S = 5
+AUTOSCALING = {
+    "min_replicas": 1,
+    "max_replicas": 3,
+    "initial_replicas": 1,
+    "target_ongoing_requests": 2,
+    "metrics_interval_s": 0.5,
+    "look_back_period_s": 2,
+    "upscale_delay_s": 1,
+    "downscale_delay_s": 5,
+}
+
+
+class Cluster:
+    """The running cluster: where its dashboard and Serve HTTP listen, the model to serve."""
+
+    def __init__(self, dashboard: str, http: str, config_dir: Path, model_dir: Path) -> None:
+        self.dashboard, self.url, self.config_dir = dashboard, http, config_dir
+        self.model_dir = model_dir
+        self.port = int(http.rsplit(":", 1)[1])
+        self.deploys = 0
+
+    def deploy(self, model: dict) -> None:
+        """``serve deploy`` of the app with ``model`` as its only model (returns at once;
+        Serve applies the config in the background)."""
+        doc = {
+            "proxy_location": "HeadOnly",
+            "http_options": {"host": "127.0.0.1", "port": self.port},
+            "applications": [
+                {
+                    "name": APP,
+                    "route_prefix": "/",
+                    "import_path": "rbln_ray.serve:build_app",
+                    "args": {"models": [{"name": MODEL, **model}]},
+                }
+            ],
+        }
+        self.deploys += 1
+        path = self.config_dir / f"serve-{self.deploys}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        out = subprocess.run(
+            [SERVE_CLI, "deploy", str(path), "-a", self.dashboard],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+def replicas(state: str = "RUNNING") -> int:
+    from ray import serve
+
+    app = serve.status().applications.get(APP)
+    if app is None or DEPLOYMENT not in app.deployments:
+        return 0
+    return app.deployments[DEPLOYMENT].replica_states.get(state, 0)
+
+
+def deployment_message() -> str:
+    from ray import serve
+
+    app = serve.status().applications.get(APP)
+    return app.deployments[DEPLOYMENT].message if app and DEPLOYMENT in app.deployments else ""
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.5) -> float:
+    """Poll ``predicate`` until true (bounded); the seconds it took."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout, f"timed out after {timeout} s: {what}"
+        time.sleep(interval)  # polling a condition with a deadline
+    return time.monotonic() - started
+
+
+def app_running() -> bool:
+    from ray import serve
+
+    app = serve.status().applications.get(APP)
+    return app is not None and app.status.value == "RUNNING"
+
+
+class Load:
+    """``clients`` closed-loop clients of non-streaming completions in a background thread.
+
+    :meth:`stop` lets every client finish the request it has in flight, so every request
+    sent ends up in :attr:`outcomes` (status code, or the transport error).
+    """
+
+    def __init__(self, url: str, clients: int, max_tokens: int = 64) -> None:
+        self.url, self.clients, self.max_tokens = url, clients, max_tokens
+        self.outcomes: list[int | str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=600)
+        assert not self._thread.is_alive(), "clients did not finish their last requests"
+
+    @property
+    def failed(self) -> list[int | str]:
+        return [o for o in self.outcomes if o != 200]
+
+    async def _main(self) -> None:
+        async with httpx.AsyncClient(timeout=300) as client:
+            await asyncio.gather(*(self._client(client, i) for i in range(self.clients)))
+
+    async def _client(self, client: httpx.AsyncClient, i: int) -> None:
+        body = {"model": MODEL, "prompt": f"c{i} = ", "max_tokens": self.max_tokens}
+        body["ignore_eos"] = True
+        while not self._stop.is_set():
+            try:
+                r = await client.post(f"{self.url}/v1/completions", json=body)
+                ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == (
+                    self.max_tokens
+                )
+                self.outcomes.append(200 if ok else f"{r.status_code}: {r.text[:200]}")
+            except httpx.HTTPError as exc:
+                self.outcomes.append(f"transport: {exc!r}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    from ray import serve
+
+    model_dir = compiled_model("llama")  # compiled before the cluster starts (cached)
+    dashboard_port = free_port()
+    head = {"include_dashboard": True, "dashboard_host": "127.0.0.1"}
+    head["dashboard_port"] = dashboard_port
+    env = {
+        "RAY_SERVE_SLOW_STARTUP_WARNING_S": str(WAIT_WARNING_S),
+        "RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S": str(WAIT_WARNING_S),
+    }
+    tmp = tmp_path_factory.mktemp("scaling")
+    with multinode_cluster(tmp / "cache", nodes=2, devices_per_node=1, head_args=head, env=env):
+        running = Cluster(
+            f"http://127.0.0.1:{dashboard_port}",
+            f"http://127.0.0.1:{free_port()}",
+            tmp,
+            model_dir,
+        )
+        try:
+            yield running
+        finally:
+            serve.shutdown()
+
+
+def test_autoscaling_up_under_load_waits_for_devices_and_back_down(cluster: Cluster) -> None:
+    import ray
+
+    cluster.deploy({"model": str(cluster.model_dir), "autoscaling_config": AUTOSCALING})
+    wait_for(app_running, 600, "app RUNNING")
+    assert replicas() == 1
+    total = ray.cluster_resources()["RBLN"]
+    assert total == 2 and ray.available_resources().get("RBLN", 0) == 1
+
+    with Load(cluster.url, clients=16) as load:
+        up = wait_for(lambda: replicas() >= 2, 300, "scaled up to 2 replicas")
+        # The third replica has no device to go to: it waits, and Serve says why.
+        wait_for(
+            lambda: "to be scheduled" in deployment_message(),
+            120,
+            "Serve reports the replica waiting for resources",
+        )
+        message = deployment_message()
+        assert replicas() == 2 and ray.available_resources().get("RBLN", 0) == 0
+        sent_while_waiting = len(load.outcomes)
+        wait_for(lambda: len(load.outcomes) >= sent_while_waiting + 16, 300, "traffic served")
+    print(f"scaled 1 -> 2 in {up:.0f} s under load; {message}")
+    assert "RBLN" in message, message
+    assert not load.failed, load.failed[:5]
+
+    down = wait_for(lambda: replicas() == 1, 300, "scaled back down to 1 replica")
+    wait_for(lambda: ray.available_resources().get("RBLN", 0) == 1, 60, "device freed")
+    assert replicas("STARTING") == 0  # the waiting third replica was dropped too
+    print(f"{len(load.outcomes)} requests, 0 failed; back to 1 replica {down:.0f} s after idle")
+
+
+def test_redeploy_under_load_loses_no_request(cluster: Cluster) -> None:
+    """``serve deploy`` of a changed replica count (autoscaling -> ``num_replicas: 2``) while
+    traffic runs. The app's ``args`` change, so Serve rebuilds it and replaces every replica
+    (ingress included) one by one: old ones drain what they hold while new ones start."""
+    import ray
+
+    with Load(cluster.url, clients=12) as load:
+        wait_for(lambda: len(load.outcomes) >= 4, 300, "traffic flowing")
+        before = len(load.outcomes)
+        cluster.deploy({"model": str(cluster.model_dir), "num_replicas": 2})
+        wait_for(
+            lambda: replicas() == 2 and app_running() and replicas("STOPPING") == 0,
+            600,
+            "redeployed with 2 replicas",
+        )
+        mark = len(load.outcomes)
+        wait_for(lambda: len(load.outcomes) >= mark + 8, 300, "traffic on the new replicas")
+    during = mark - before
+    print(f"redeploy under load: {len(load.outcomes)} requests ({during} during it), 0 failed")
+    assert not load.failed, load.failed[:5]
+    assert ray.available_resources().get("RBLN", 0) == 0  # both devices held, none leaked
