@@ -47,7 +47,9 @@ def hf_greedy(
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # .float(): a pre-quantized checkpoint (gpt-oss MXFP4) is dequantized to bfloat16 by
+    # transformers on CPU; its values are exact in float32, where the comparison runs.
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).float()
     model.eval()
     # Never stop at EOS and never mask it: matches vLLM's ignore_eos=True.
     model.generation_config.eos_token_id = None
@@ -74,8 +76,9 @@ def tiny_models() -> dict[str, Path]:
     return {family: build_tiny_model(family=family) for family in FAMILIES}
 
 
-def compiled_model(family: str = "llama", **settings) -> Path:
-    """A tiny model of ``family`` compiled on the emulator (cached by content and settings)."""
+def compiled_model(family: str = "llama", model: dict | None = None, **settings) -> Path:
+    """A tiny model of ``family`` (``model``: further ``TinyModelSpec`` fields) compiled on the
+    emulator (cached by content and settings)."""
     os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
     from rbln_ray.models import build_tiny_model
     from rbln_ray.vllm_plugin.loader import CompileSettings, resolve_compiled_dir
@@ -85,7 +88,8 @@ def compiled_model(family: str = "llama", **settings) -> Path:
         # optimum-rbln's ATOM limits: partition >= 1024 and max_seq_len >= 2 partitions.
         defaults.update(kvcache_partition_len=1024, max_seq_len=2048)
     return resolve_compiled_dir(
-        build_tiny_model(family=family), CompileSettings(**{**defaults, **settings})
+        build_tiny_model(family=family, **(model or {})),
+        CompileSettings(**{**defaults, **settings}),
     )
 
 

@@ -27,11 +27,13 @@ def compile_hf_model(
     decoder_batch_sizes: list[int] | None = None,
     use_attention_mask: bool = False,
     create_runtimes: bool = False,
+    hf_kwargs: dict[str, Any] | None = None,
     **rbln_kwargs: Any,
 ) -> Path:
     """Compile ``hf_dir`` to ``out_dir`` with ``RBLNAutoModelForCausalLM``; returns ``out_dir``.
 
-    Extra ``rbln_kwargs`` are passed as ``rbln_<name>`` (e.g. ``kvcache_num_blocks=8``).
+    Extra ``rbln_kwargs`` are passed as ``rbln_<name>`` (e.g. ``kvcache_num_blocks=8``);
+    ``hf_kwargs`` go to the Hugging Face loading as they are (e.g. ``dtype``).
     Runtimes are not created by default, so compiling needs no free device.
     """
     if ensure_runtime() == "none":
@@ -53,6 +55,7 @@ def compile_hf_model(
     if decoder_batch_sizes is not None:
         kwargs["rbln_decoder_batch_sizes"] = list(decoder_batch_sizes)
     kwargs.update({f"rbln_{k}": v for k, v in rbln_kwargs.items()})
+    kwargs.update(hf_kwargs or {})
     logger.info("compiling %s -> %s (%s)", hf_dir, out_dir, kwargs)
     model = RBLNAutoModelForCausalLM.from_pretrained(str(hf_dir), export=True, **kwargs)
     out = Path(out_dir)

@@ -19,21 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from rbln_ray.models.tokenizer import atomic_dir, cache_dir
+from rbln_ray.models.zoo import UnsupportedModelError, family_for_dir
 from rbln_ray.vllm_plugin.artifact import CompiledArtifact, is_compiled_dir
 
 logger = logging.getLogger(__name__)
 
-# Architectures whose optimum-rbln decoder path rbln-ray has verified token-exact.
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "MistralForCausalLM",
-)
-
-
-class UnsupportedModelError(ValueError):
-    """The model's architecture is not one rbln-ray serves."""
+# The families rbln-ray serves live in rbln_ray.models.zoo (one table for the loader, the
+# CLI and the README's support matrix).
+__all__ = ["CompileSettings", "UnsupportedModelError", "check_architecture"]
 
 
 @dataclass(frozen=True)
@@ -71,15 +64,8 @@ class CompileSettings:
 
 
 def check_architecture(hf_config_path: Path) -> str:
-    """Return the model's architecture or raise naming the supported ones."""
-    archs = json.loads(hf_config_path.read_text()).get("architectures") or []
-    for arch in archs:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return arch
-    raise UnsupportedModelError(
-        f"{hf_config_path.parent}: architecture {archs or 'unknown'} is not supported by rbln-ray; "
-        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
+    """Return the model's architecture or raise naming the supported ones (see the zoo)."""
+    return family_for_dir(Path(hf_config_path).parent).architecture
 
 
 def content_hash(model_dir: Path) -> str:
@@ -149,7 +135,7 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
         if is_compiled_dir(out):
             logger.info("using cached compiled model %s", out)
             return out
-        from rbln_ray.emulator import compile_hf_model
+        from rbln_ray.models.compile import compile_model
 
         logger.info(
             "compiling %s for RBLN (%s) into %s; this runs once per model and settings",
@@ -159,7 +145,7 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
         )
         started = time.monotonic()
         with atomic_dir(out) as tmp:
-            compile_hf_model(
+            compile_model(
                 model_dir,
                 tmp,
                 batch_size=settings.batch_size,
