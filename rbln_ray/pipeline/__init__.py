@@ -3,7 +3,8 @@
 * :func:`compile_pipeline` compiles an HF decoder into S stage graph sets plus a manifest
   (``rbln_pipeline.json``) that configures vLLM like optimum's ``rbln_config.json``;
 * :class:`~rbln_ray.pipeline.worker.PipelineWorker` runs one stage inside an
-  ``RBLNRayExecutor`` actor; stage 0 coordinates each step and chains the others by Ray refs.
+  ``RBLNRayExecutor`` actor as one vLLM pipeline-parallel rank; each rank passes the step and
+  its hidden states to the next one.
 """
 
 from __future__ import annotations

@@ -16,16 +16,27 @@ import random
 import pytest
 
 from rbln_ray.models import build_tiny_model
-from tests.conftest import compiled_model, hf_greedy, run_script
+from tests.conftest import compiled_model, greedy_request, hf_greedy, run_script
 
 pytestmark = pytest.mark.slow
 
 
-def _request(prompt: list[int], max_tokens: int) -> dict:
-    return {
-        "prompt_token_ids": prompt,
-        "params": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True},
+def run_exact(model, prompts: list[list[int]], max_tokens: list[int], **spec) -> dict:
+    """Serve ``prompts`` with ``vllm.LLM`` on ``model``; assert every pass equals transformers'
+    greedy output; return the run (its step stats under ``stats``)."""
+    run = {
+        "model": str(model),
+        "requests": [greedy_request(p, m) for p, m in zip(prompts, max_tokens, strict=True)],
+        "rpc": ["step_stats"],
+        **spec,
     }
+    result = run_script("rbln_llm_run.py", json.dumps(run))
+    hf_dir = build_tiny_model(family="llama")
+    expected = [hf_greedy(hf_dir, [p], m)[0] for p, m in zip(prompts, max_tokens, strict=True)]
+    for n, outputs in enumerate(result["passes"]):
+        assert [o[0]["token_ids"] for o in outputs] == expected, f"pass {n + 1} differs"
+    result["stats"] = result["rpc"]["step_stats"][0]
+    return result
 
 
 def _shared_prefix_prompts(rng: random.Random, long_prefix: bool) -> list[list[int]]:
@@ -52,21 +63,10 @@ def test_shared_prefixes_are_reused_and_exact(attn_impl: str) -> None:
     prompts = _shared_prefix_prompts(rng, long_prefix=attn_impl == "flash_attn")
     rng.shuffle(prompts)
     max_tokens = [rng.randint(4, 24) for _ in prompts]
-    spec = {
-        "model": str(compiled_model("llama", attn_impl=attn_impl)),
-        "requests": [_request(p, m) for p, m in zip(prompts, max_tokens, strict=True)],
-        "passes": 2,
-        "rpc": ["step_stats"],
-    }
-    result = run_script("rbln_llm_run.py", json.dumps(spec))
-    hf_dir = build_tiny_model(family="llama")
-    expected = [hf_greedy(hf_dir, [p], m)[0] for p, m in zip(prompts, max_tokens, strict=True)]
-    for n, outputs in enumerate(result["passes"]):
-        got = [o[0]["token_ids"] for o in outputs]
-        assert got == expected, f"pass {n + 1} differs from transformers"
-
+    model = compiled_model("llama", attn_impl=attn_impl)
+    result = run_exact(model, prompts, max_tokens, passes=2)
     assert result["config"]["enable_prefix_caching"]  # on by default
-    stats = result["rpc"]["step_stats"][0]
+    stats = result["stats"]
     # Both ways of reusing a prefix happened: copies (the holder was still running) and
     # adoption (reused tokens beyond what was copied); no hit had to be recomputed.
     assert stats["kv_copies"] > 0
@@ -96,18 +96,10 @@ def interleaved_chunks(history: list) -> int:
 def test_prefix_caching_off_recomputes_everything() -> None:
     rng = random.Random(3)
     prompts = _shared_prefix_prompts(rng, long_prefix=False)[4:12]
-    spec = {
-        "model": str(compiled_model("llama")),
-        "llm_kwargs": {"enable_prefix_caching": False},
-        "requests": [_request(p, 8) for p in prompts],
-        "passes": 2,
-        "rpc": ["step_stats"],
-    }
-    result = run_script("rbln_llm_run.py", json.dumps(spec))
-    expected = hf_greedy(build_tiny_model(family="llama"), prompts, 8)
-    assert [o[0]["token_ids"] for o in result["outputs"]] == expected
+    llm_kwargs = {"enable_prefix_caching": False}
+    result = run_exact(compiled_model("llama"), prompts, [8] * 8, passes=2, llm_kwargs=llm_kwargs)
     assert not result["config"]["enable_prefix_caching"]
-    stats = result["rpc"]["step_stats"][0]
+    stats = result["stats"]
     assert stats["prefix_reused_tokens"] == 0 and stats["kv_copies"] == 0
     assert stats["prefill_tokens"] == 2 * sum(len(p) for p in prompts)
 
@@ -121,15 +113,8 @@ def test_more_prefixes_than_blocks_evict_consistently() -> None:
     prompts = [p + [rng.randrange(1, 4096) for _ in range(9)] for p in prefixes]
     # Newest first: an LRU device cache still holds the latest prefixes, not the oldest.
     prompts += [p + [rng.randrange(1, 4096) for _ in range(13)] for p in reversed(prefixes)]
-    spec = {
-        "model": str(compiled_model("llama", attn_impl="flash_attn")),
-        "requests": [_request(p, 6) for p in prompts],
-        "rpc": ["step_stats"],
-    }
-    result = run_script("rbln_llm_run.py", json.dumps(spec))
-    expected = hf_greedy(build_tiny_model(family="llama"), prompts, 6)
-    assert [o[0]["token_ids"] for o in result["outputs"]] == expected
-    stats = result["rpc"]["step_stats"][0]
+    model = compiled_model("llama", attn_impl="flash_attn")
+    stats = run_exact(model, prompts, [6] * len(prompts))["stats"]
     assert stats["prefix_recomputed_tokens"] == 0
     # Some second-round prompts still found their prefix on the device, the oldest did not.
     assert 0 < stats["prefix_reused_tokens"] < 12 * 256
@@ -142,15 +127,8 @@ def test_rbln_block_preemption_with_shared_prefix() -> None:
     rng = random.Random(9)
     prefix = [rng.randrange(1, 4096) for _ in range(900)]
     prompts = [prefix + [rng.randrange(1, 4096) for _ in range(60 + i)] for i in range(4)]
-    spec = {
-        "model": str(compiled_model("llama", attn_impl="flash_attn", kvcache_num_blocks=5)),
-        "requests": [_request(p, 110) for p in prompts],
-        "rpc": ["step_stats"],
-    }
-    result = run_script("rbln_llm_run.py", json.dumps(spec))
-    expected = hf_greedy(build_tiny_model(family="llama"), prompts, 110)
-    assert [o[0]["token_ids"] for o in result["outputs"]] == expected
-    stats = result["rpc"]["step_stats"][0]
+    model = compiled_model("llama", attn_impl="flash_attn", kvcache_num_blocks=5)
+    stats = run_exact(model, prompts, [110] * 4)["stats"]
     decoded: set[str] = set()
     restarted = 0
     for _, kind, ids in stats["history"]:
