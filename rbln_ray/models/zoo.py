@@ -36,9 +36,12 @@ class ModelFamily:
     architecture: str  # transformers class, ``config.json`` ``architectures[0]``
     optimum_class: str  # the optimum-rbln class that compiles and runs it
     model_type: str  # ``config.json`` ``model_type``
-    # Attention of the tiny model (and of the real checkpoints): "full", or "hybrid" (some
-    # layers use a sliding-window KV cache, compiled to paged_sliding_window_attn_*).
+    # Attention of the family's checkpoints: "full"; "hybrid" (some layers use a
+    # sliding-window KV cache, compiled to paged_sliding_window_attn_*); "optional" (every
+    # layer slides when config.json sets sliding_window, optimum's cache_impl
+    # "sliding_window"; else full).
     attention: str = "full"
+    softcap: str = ""  # logit soft-capping optimum compiles for the family, if any
     moe: bool = False  # experts compiled to custom_moe_glu / custom_moe_glu_mxfp4
     # The compiled prefill can start at a multiple of prefill_chunk_size other than 0, which
     # chunked prefill across steps and prefix caching need. False for RBLNGemma3ForCausalLM:
@@ -118,6 +121,7 @@ FAMILIES: dict[str, ModelFamily] = {
             "qwen2",
             verified_by={
                 "eager": f"{LLM_GREEDY_TEST}[qwen2-eager]",
+                "flash_attn": f"{GREEDY_TEST}[qwen2-flash_attn]",
             },
         ),
         ModelFamily(
@@ -126,6 +130,7 @@ FAMILIES: dict[str, ModelFamily] = {
             "RBLNQwen3ForCausalLM",
             "qwen3",
             verified_by={
+                "eager": f"{GREEDY_TEST}[qwen3-eager]",
                 "flash_attn": f"{LLM_GREEDY_TEST}[qwen3-flash_attn]",
             },
         ),
@@ -134,7 +139,9 @@ FAMILIES: dict[str, ModelFamily] = {
             "MistralForCausalLM",
             "RBLNMistralForCausalLM",
             "mistral",
-            verified_by={"eager": f"{GREEDY_TEST}[mistral-eager]"},
+            attention="optional",
+            verified_by=_both("mistral"),
+            notes="verified with sliding_window set (every layer slides)",
         ),
         ModelFamily(
             "gemma", "GemmaForCausalLM", "RBLNGemmaForCausalLM", "gemma", verified_by=_both("gemma")
@@ -145,6 +152,7 @@ FAMILIES: dict[str, ModelFamily] = {
             "RBLNGemma2ForCausalLM",
             "gemma2",
             attention="hybrid",
+            softcap="final logits",
             verified_by=_both("gemma2"),
             notes="final-logit soft-capping compiled; attention-logit soft-capping is not "
             "(optimum-rbln 0.12 drops attn_logit_softcapping): the tiny model sets it to None",
@@ -213,6 +221,53 @@ UNVERIFIED: dict[str, str] = {
     "Qwen3_5ForCausalLM": "RBLNQwen3_5ForCausalLM needs hybrid linear attention "
     "(rbln.tri_recur_update), which the emulator does not provide",
 }
+
+
+def sliding_window_used(family: ModelFamily, hf_config: Mapping[str, Any]) -> bool:
+    """Whether a model of ``family`` with this ``config.json`` compiles sliding-window
+    layers (and so serves without prefix caching)."""
+    if family.attention == "hybrid":
+        return True
+    return family.attention == "optional" and hf_config.get("sliding_window") is not None
+
+
+def support_matrix() -> str:
+    """The README's support matrix (Markdown), rendered from :data:`FAMILIES`; a test keeps
+    the README's copy equal to it."""
+
+    def test_id(f: ModelFamily, impl: str) -> str:
+        ref = f.verified_by.get(impl)
+        if not ref:
+            return "not verified"
+        file, _, case = ref.partition("::")
+        return f"`{file.split('/')[-1]}[{case.partition('[')[2]}`"
+
+    sliding = {
+        "full": "no",
+        "hybrid": "hybrid (per `layer_types`)",
+        "optional": "every layer, if `sliding_window` is set",
+    }
+    rows = [
+        "| family | HF architecture | sliding window | MoE | soft-capping | prefix caching "
+        "| chunked prefill | eager verified by | flash_attn verified by |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for f in FAMILIES.values():
+        prefix = {
+            "full": "on",
+            "hybrid": "off (sliding window)",
+            "optional": "on; off with a sliding window",
+        }[f.attention]
+        if not f.prefill_resumable:
+            prefix = "off (prefill restarts at 0)"
+        moe = ("yes, MXFP4" if f.name == "gpt_oss" else "yes") if f.moe else "no"
+        rows.append(
+            f"| {f.name} | `{f.architecture}` | {sliding[f.attention]} | {moe} "
+            f"| {f.softcap or 'no'} | {prefix} "
+            f"| {'on' if f.prefill_resumable else 'off (whole prompt)'} "
+            f"| {test_id(f, 'eager')} | {test_id(f, 'flash_attn')} |"
+        )
+    return "\n".join(rows)
 
 
 class UnsupportedModelError(ValueError):
