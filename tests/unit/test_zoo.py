@@ -130,3 +130,23 @@ def test_slot_manager_pins_lowest_free_slot_until_the_request_leaves() -> None:
     assert slots.assignment() == {} and slots.slot("e") == 0
     with pytest.raises(ValueError):
         SlotManager(0)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_build_model_builds_every_family_as_the_table_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture, name: str
+) -> None:
+    """``rbln-ray build-model FAMILY`` writes a transformers model whose config.json is the
+    table's architecture and model_type (the loader and the CLI look families up by it)."""
+    out = tmp_path / name
+    args = ["build-model", name, "--out", str(out), "--hidden-size", "64", "--num-heads", "2"]
+    assert cli_main([*args, "--num-kv-heads", "1", "--intermediate-size", "128"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    config = json.loads((out / "config.json").read_text())
+    family = FAMILIES[name]
+    assert (config["architectures"], config["model_type"]) == (
+        [family.architecture],
+        family.model_type,
+    )
+    assert family_for_dir(out) is family
+    assert get_rbln_model_info(config) == (name, family.optimum_class)
