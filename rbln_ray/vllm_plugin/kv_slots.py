@@ -11,8 +11,12 @@ request leaves the running set (finished, aborted or preempted; a preempted requ
 prefilled again from position 0 into whatever slot is free then).
 
 Decode padding rows need a slot too (the graphs have static batch shapes): they get a slot no
-running request holds, whose content is garbage by definition, or ``NO_BLOCK`` (the
-emulator's "no slot": nothing read or written) when all are held.
+running request holds, whose content is garbage by definition (vllm-rbln 0.12 takes one not
+used by the decode batch, which can be a slot of a request mid-prefill; this is stricter).
+When every slot is held (a decode of B-1 rows padded to B while the B-th request is
+prefilling) they get ``NO_BLOCK``: the emulator reads and writes nothing for it, as for a
+``-1`` block id. How a real NPU treats a ``-1`` slot is not verified here (optimum's own
+runtime never passes ``-1`` block ids to the device: it substitutes a free block).
 
 Pure bookkeeping; :class:`~rbln_ray.vllm_plugin.scheduler.RBLNScheduler` drives it in the
 engine-core process and ships the slots in each step's ``KVStepPlan``, so every worker

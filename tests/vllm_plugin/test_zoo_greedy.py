@@ -4,7 +4,9 @@ transformers, under continuous batching.
 One engine per (family, attention) artifact runs all prompts at once on a batch-4 model:
 short prompts decode while longer ones are prefilled chunk by chunk in between (for the
 families whose prefill can resume), slots free and refill, and every request's greedy
-tokens must equal transformers' own ``generate`` on the same weights. Prompts are longer
+tokens must equal transformers' own ``generate`` on the same weights, and one request's
+sampled-token logprobs transformers' log-softmax (greedy equality alone cannot see a
+monotonic change of the logits such as Gemma2's final soft-capping). Prompts are longer
 than the tiny models' sliding window (64), and decoding crosses it. The artifact is
 compiled by the code path ``rbln-ray compile`` uses (``rbln_ray.models.compile``).
 """
@@ -57,6 +59,30 @@ def workload(flash: bool) -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
+# The request whose sampled-token logprobs are also compared: greedy equality checks only
+# the argmax, which a monotonic transform (Gemma2's final-logit soft-capping) leaves alone.
+LOGPROB_REQUEST = 4  # 300 tokens: several windows and chunks
+
+
+def requests(flash: bool) -> list[dict]:
+    prompts, max_tokens = workload(flash)
+    out = [greedy_request(p, m) for p, m in zip(prompts, max_tokens, strict=True)]
+    out[LOGPROB_REQUEST]["params"]["logprobs"] = 0  # the sampled token's only
+    return out
+
+
+def hf_logprobs(model_dir, prompt: list[int], tokens: list[int]) -> list[float]:
+    """transformers' log-softmax of each generated token given everything before it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).float().eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    chosen = logits.log_softmax(-1).gather(1, torch.tensor(tokens).view(-1, 1))
+    return chosen.view(-1).tolist()
+
+
 @pytest.fixture(scope="module")
 def zoo_runs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -73,9 +99,8 @@ def zoo_runs(
     runs = []
     for family, attn_impl in cases:
         model = compiled_model(family, model=model_spec(family, attn_impl), attn_impl=attn_impl)
-        prompts, max_tokens = workload(attn_impl == "flash_attn")
-        requests = [greedy_request(p, m) for p, m in zip(prompts, max_tokens, strict=True)]
-        runs.append({"model": str(model), "requests": requests, "rpc": ["step_stats"]})
+        reqs = requests(attn_impl == "flash_attn")
+        runs.append({"model": str(model), "requests": reqs, "rpc": ["step_stats"]})
     # and one engine start on an architecture rbln-ray does not serve (vLLM knows Phi3)
     runs.append({"model": str(unsupported_model(tmp_path_factory.mktemp("phi3"))), "requests": []})
     spec = tmp_path_factory.mktemp("zoo") / "runs.json"
@@ -113,21 +138,27 @@ def test_family_greedy_matches_transformers(
     assert "error" not in result, result.get("error")
     spec = model_spec(family, attn_impl)
     prompts, max_tokens = workload(attn_impl == "flash_attn")
+    hf_dir = build_tiny_model(family=family, **spec)
     got = [o[0]["token_ids"] for o in result["outputs"]]
     # greedy continuations are prefixes of longer ones: one reference run per prompt
     expected = [
         full[:m]
         for full, m in zip(
-            hf_greedy(build_tiny_model(family=family, **spec), prompts, max(max_tokens)),
+            hf_greedy(hf_dir, prompts, max(max_tokens)),
             max_tokens,
             strict=True,
         )
     ]
     assert got == expected
+    output = result["outputs"][LOGPROB_REQUEST][0]
+    tokens = got[LOGPROB_REQUEST]
+    served = [step[str(t)] for step, t in zip(output["logprobs"], tokens, strict=True)]
+    reference = hf_logprobs(hf_dir, prompts[LOGPROB_REQUEST], tokens)
+    assert served == pytest.approx(reference, abs=2e-3)
 
     history = result["rpc"]["step_stats"][0]["history"]
     assert count_refills(history) >= 1, "no prefill ran while other requests were decoding"
-    config = json.loads((build_tiny_model(family=family, **spec) / "config.json").read_text())
+    config = json.loads((hf_dir / "config.json").read_text())
     sliding = sliding_window_used(FAMILIES[family], config)
     resumable = FAMILIES[family].prefill_resumable
     assert result["config"]["enable_prefix_caching"] is not (sliding or not resumable)
