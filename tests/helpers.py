@@ -110,7 +110,9 @@ def hf_greedy(
 
     key_dir = str(model_dir)
     if key_dir not in _HF_MODELS:
-        model = AutoModelForCausalLM.from_pretrained(key_dir, dtype=torch.float32).eval()
+        # .float(): a pre-quantized checkpoint (gpt-oss MXFP4) is dequantized to bfloat16 by
+        # transformers on CPU; its values are exact in float32, where the comparison runs.
+        model = AutoModelForCausalLM.from_pretrained(key_dir, dtype=torch.float32).float().eval()
         model.generation_config.eos_token_id = None
         _HF_MODELS[key_dir] = model
     model = _HF_MODELS[key_dir]
@@ -140,8 +142,9 @@ def greedy_request(prompt: list[int], max_tokens: int) -> dict:
     }
 
 
-def compiled_model(family: str = "llama", **settings: Any) -> Path:
-    """A tiny model of ``family`` compiled on the emulator (cached by content and settings)."""
+def compiled_model(family: str = "llama", model: dict | None = None, **settings: Any) -> Path:
+    """A tiny model of ``family`` (``model``: further ``TinyModelSpec`` fields) compiled on the
+    emulator (cached by content and settings)."""
     os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
     from rbln_ray.compile import CompileSettings, resolve_compiled_dir
     from rbln_ray.models import build_tiny_model
@@ -155,7 +158,8 @@ def compiled_model(family: str = "llama", **settings: Any) -> Path:
         # optimum-rbln's ATOM limits: partition >= 1024 and max_seq_len >= 2 partitions.
         defaults.update(kvcache_partition_len=1024, max_seq_len=2048)
     return resolve_compiled_dir(
-        build_tiny_model(family=family), CompileSettings(**{**defaults, **settings})
+        build_tiny_model(family=family, **(model or {})),
+        CompileSettings(**{**defaults, **settings}),
     )
 
 

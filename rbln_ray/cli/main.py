@@ -13,8 +13,14 @@ from rbln_ray.common.logging_setup import LEVELS, apply_process_defaults, setup_
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from rbln_ray.cli.runtime_choice import choose_runtime
-    from rbln_ray.compile import compile_hf_model
+    from rbln_ray.compile.family_compile import CompileConfigError, compile_model
+    from rbln_ray.compile.zoo import UnsupportedModelError, family_for_dir
 
+    try:
+        family_for_dir(args.hf_dir)  # before choosing a runtime or loading any weights
+    except UnsupportedModelError as exc:
+        print(f"rbln-ray compile: {exc}", file=sys.stderr)
+        return 2
     choose_runtime()
     sizes = (
         [int(s) for s in args.decoder_batch_sizes.split(",")] if args.decoder_batch_sizes else None
@@ -42,7 +48,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
         out = compile_pipeline(args.hf_dir, args.out_dir, args.pipeline_stages, **settings)
         print(f"{args.pipeline_stages}-stage pipeline written to {out}")
         return 0
-    out = compile_hf_model(args.hf_dir, args.out_dir, **settings)
+    try:
+        out = compile_model(args.hf_dir, args.out_dir, **settings)
+    except CompileConfigError as exc:
+        print(f"rbln-ray compile: {exc}", file=sys.stderr)
+        return 2
     print(f"compiled model written to {out}")
     return 0
 
@@ -82,6 +92,10 @@ def cmd_build_model(args: argparse.Namespace) -> int:
         num_heads=args.num_heads,
         num_kv_heads=args.num_kv_heads,
         intermediate_size=args.intermediate_size,
+        max_position_embeddings=args.max_position_embeddings,
+        sliding_window=args.sliding_window,
+        num_experts=args.num_experts,
+        experts_per_token=args.experts_per_token,
         out_dir=args.out,
     )
     print(path)
@@ -157,13 +171,23 @@ def parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_devices)
 
     b = add_parser("build-model", help="build a local test model (or train the demo model)")
-    b.add_argument("family", choices=["llama", "qwen2", "qwen3", "mistral", "demo"])
+    from rbln_ray.compile.zoo import FAMILIES
+
+    b.add_argument("family", choices=[*FAMILIES, "demo"])
     b.add_argument("--out", type=Path)
     b.add_argument("--hidden-size", type=int, default=128)
     b.add_argument("--num-layers", type=int, default=2)
     b.add_argument("--num-heads", type=int, default=4)
     b.add_argument("--num-kv-heads", type=int, default=2)
     b.add_argument("--intermediate-size", type=int, default=256)
+    b.add_argument("--max-position-embeddings", type=int, default=1024)
+    b.add_argument(
+        "--sliding-window",
+        type=int,
+        help="window of the sliding layers (gemma2/gemma3/gpt_oss: default 64; mistral: none)",
+    )
+    b.add_argument("--num-experts", type=int, default=4, help="MoE families: experts per layer")
+    b.add_argument("--experts-per-token", type=int, default=2, help="MoE families: top-k")
     b.set_defaults(func=cmd_build_model)
 
     from rbln_ray.cluster import node_stop

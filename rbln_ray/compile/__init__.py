@@ -2,8 +2,9 @@
 the emulator alike.
 
 * :mod:`.settings`: :class:`CompileSettings` and the one mapping onto optimum's ``rbln_*``;
-* :mod:`.architectures`: which architectures rbln-ray compiles and serves;
+* :mod:`.zoo`: the model families rbln-ray compiles and serves, and what each needs;
 * :mod:`.optimum_compile`: one graph set through optimum-rbln's own ``from_pretrained``;
+  :mod:`.family_compile` wraps it with a family's options and clear rejections;
 * :mod:`.pipeline_compile` / :mod:`.stage_graph` / :mod:`.pipeline_manifest`: S pipeline
   stages from one HF decoder, and the manifest that describes them;
 * :mod:`.artifact`: :class:`CompiledArtifact`, what every layer above reads of a compiled
@@ -15,30 +16,26 @@ Heavy imports (torch, optimum) happen inside the functions that compile.
 
 from __future__ import annotations
 
-from rbln_ray.compile.architectures import (
-    SUPPORTED_ARCHITECTURES,
-    UnsupportedModelError,
-    check_architecture,
-)
 from rbln_ray.compile.artifact import ArtifactError, CompiledArtifact, is_compiled_dir
 from rbln_ray.compile.compiled_cache import resolve_compiled_dir
 from rbln_ray.compile.optimum_compile import compile_hf_model
 from rbln_ray.compile.pipeline_compile import compile_pipeline
 from rbln_ray.compile.pipeline_manifest import PipelineManifest, StageSpec, split_layers
 from rbln_ray.compile.settings import CompileSettings
+from rbln_ray.compile.zoo import UnsupportedModelError, family_for_dir, supported_architectures
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES",
     "ArtifactError",
     "CompileSettings",
     "CompiledArtifact",
     "PipelineManifest",
     "StageSpec",
     "UnsupportedModelError",
-    "check_architecture",
     "compile_hf_model",
     "compile_pipeline",
+    "family_for_dir",
     "is_compiled_dir",
     "resolve_compiled_dir",
     "split_layers",
+    "supported_architectures",
 ]

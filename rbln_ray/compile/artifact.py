@@ -38,6 +38,15 @@ class CompiledArtifact:
     use_attention_mask: bool
     requires_batch_sort: bool
     num_stages: int = 1  # > 1: a staged directory (pipeline_manifest), one worker per stage
+    # KV cache kind (optimum's cache_impl): "static" (every layer paged over the compiled
+    # blocks), "sliding_window" (every layer keeps a window in a per-sequence slot) or
+    # "hybrid" (both kinds of layers; gemma2/gemma3/gpt-oss).
+    cache_impl: str = "static"
+    sliding_window: int | None = None
+    use_position_ids: bool = False  # decode also takes position_ids and a [B, S] mask
+    # The compiled prefill can start mid-prompt (a multiple of prefill_chunk_size); False for
+    # families whose prefill cannot (rbln_ray.compile.zoo.ModelFamily.prefill_resumable).
+    prefill_resumable: bool = True
     # Sequences in flight: batch_size, or for a pipeline every micro-batch's (vLLM keeps one
     # micro-batch of up to batch_size rows in each stage).
     max_num_seqs: int = 0
@@ -45,6 +54,17 @@ class CompiledArtifact:
     def __post_init__(self) -> None:
         if not self.max_num_seqs:
             object.__setattr__(self, "max_num_seqs", self.batch_size)
+
+    @property
+    def uses_global_cache(self) -> bool:
+        """Some layers attend over paged blocks (``block_tables`` inputs)."""
+        return self.cache_impl in ("static", "hybrid")
+
+    @property
+    def uses_local_cache(self) -> bool:
+        """Some layers keep a sliding window in a per-sequence slot (``local_block_tables``
+        inputs: one slot of ``batch_size``, pinned to a request for its life)."""
+        return self.cache_impl in ("sliding_window", "hybrid")
 
     @property
     def blocks_per_seq(self) -> int:
@@ -87,7 +107,18 @@ class CompiledArtifact:
             requires_batch_sort=bool(raw.get("_requires_batch_sort")),
             num_stages=int(raw.get("num_stages", 1)),
             max_num_seqs=int(raw.get("max_num_seqs") or raw["batch_size"]),
+            cache_impl=raw.get("cache_impl") or "static",
+            sliding_window=raw.get("sliding_window"),
+            use_position_ids=bool(raw.get("use_position_ids")),
+            prefill_resumable=_prefill_resumable(raw.get("cls_name", "")),
         )
+
+
+def _prefill_resumable(cls_name: str) -> bool:
+    from rbln_ray.compile.zoo import family_for_config_class
+
+    family = family_for_config_class(cls_name)
+    return family.prefill_resumable if family is not None else True
 
 
 def is_compiled_dir(path: str | Path) -> bool:

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rbln_ray.common.paths import atomic_dir, cache_dir
-from rbln_ray.compile.architectures import check_architecture
 from rbln_ray.compile.artifact import is_compiled_dir
 from rbln_ray.compile.settings import CompileSettings
+from rbln_ray.compile.zoo import family_for_dir
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +69,9 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
             "(or HF) directories only"
         )
     if is_compiled_dir(model_dir):
-        check_architecture(model_dir / "config.json")
+        family_for_dir(model_dir)  # raises naming the supported architectures
         return model_dir
-    check_architecture(model_dir / "config.json")
+    family_for_dir(model_dir)
     hf_config = json.loads((model_dir / "config.json").read_text())
     settings = (settings or CompileSettings()).with_max_seq_len(hf_config)
     key = hashlib.sha256(
@@ -84,7 +84,7 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
         if is_compiled_dir(out):
             logger.info("using cached compiled model %s", out)
             return out
-        from rbln_ray.compile.optimum_compile import compile_hf_model
+        from rbln_ray.compile.family_compile import compile_model
 
         logger.info(
             "compiling %s for RBLN (%s) into %s; this runs once per model and settings",
@@ -94,6 +94,6 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
         )
         started = time.monotonic()
         with atomic_dir(out) as tmp:
-            compile_hf_model(model_dir, tmp, **settings.as_dict())
+            compile_model(model_dir, tmp, **settings.as_dict())
         logger.info("compiled %s in %.1f s", out.name, time.monotonic() - started)
     return out

@@ -29,11 +29,13 @@ def compile_hf_model(
     decoder_batch_sizes: list[int] | None = None,
     use_attention_mask: bool = False,
     create_runtimes: bool = False,
+    hf_kwargs: dict[str, Any] | None = None,
     **extra: Any,
 ) -> Path:
     """Compile ``hf_dir`` to ``out_dir`` with ``RBLNAutoModelForCausalLM``; returns ``out_dir``.
 
-    ``extra`` settings are passed as ``rbln_<name>`` (e.g. ``kvcache_num_blocks=8``).
+    ``extra`` settings are passed as ``rbln_<name>`` (e.g. ``kvcache_num_blocks=8``);
+    ``hf_kwargs`` go to the Hugging Face loading as they are (e.g. ``dtype``).
     Runtimes are not created by default, so compiling needs no free device.
     """
     require_runtime("compile a model")
@@ -50,6 +52,7 @@ def compile_hf_model(
         create_runtimes=create_runtimes,
         **extra,
     )
+    kwargs.update(hf_kwargs or {})
     logger.info("compiling %s -> %s (%s)", hf_dir, out_dir, kwargs)
     model = RBLNAutoModelForCausalLM.from_pretrained(str(hf_dir), export=True, **kwargs)
     out = Path(out_dir)

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from rbln_ray.common.dtypes import torch_dtype
-from rbln_ray.compile.architectures import check_architecture
 from rbln_ray.compile.pipeline_manifest import PipelineManifest, StageSpec, split_layers
 from rbln_ray.compile.settings import rbln_kwargs
+from rbln_ray.compile.zoo import family_for_dir
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def compile_pipeline(
     from rbln_ray.compile.stage_graph import StageGraph
 
     hf_dir, out = Path(hf_dir), Path(out_dir)
-    arch = check_architecture(hf_dir / "config.json")
+    arch = family_for_dir(hf_dir).architecture
     started = time.monotonic()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     text_config = model.config.get_text_config()

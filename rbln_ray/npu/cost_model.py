@@ -120,35 +120,83 @@ def spec_for(kind: str) -> DeviceSpec:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the cost model needs to know about a decoder-only transformer."""
+    """What the cost model needs to know about a decoder-only transformer.
+
+    Mixture-of-experts models (``num_experts`` > 0) hold every expert's weights (memory,
+    capacity) but compute only ``experts_per_token`` experts per token (FLOPs); a call reads
+    the weights of the experts its tokens are routed to (see :meth:`expert_fraction_read`).
+    """
 
     num_layers: int
     hidden_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int
+    intermediate_size: int  # dense MLP width; with experts, each expert's width
     vocab_size: int
     tie_word_embeddings: bool = False
     weight_bytes: int = 2  # per parameter on the device (FP16)
     kv_bytes: int = 2  # per KV element on the device
     name: str = "custom"
+    gated_mlp: bool = True  # gate/up/down (Llama, Gemma, Mixtral...); False: up/down (GPT2, OPT)
+    num_experts: int = 0  # routed experts per layer (0: dense MLP)
+    experts_per_token: int = 0
+    shared_expert_size: int = 0  # width of an always-active shared expert (Qwen2-MoE)
 
     @property
-    def layer_params(self) -> int:
+    def _mlp_matrices(self) -> int:
+        return 3 if self.gated_mlp else 2
+
+    @property
+    def attention_params(self) -> int:
         h, q, kv = (
             self.hidden_size,
             self.num_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
         )
-        attention = h * q + 2 * h * kv + q * h
-        mlp = 3 * h * self.intermediate_size  # gated MLP (Llama/Qwen/Mistral)
-        return attention + mlp + 2 * h  # + two norms
+        return h * q + 2 * h * kv + q * h + 2 * h  # + two norms
+
+    @property
+    def expert_params(self) -> int:
+        """One MLP (one expert, or the dense MLP)."""
+        return self._mlp_matrices * self.hidden_size * self.intermediate_size
+
+    @property
+    def _always_active_params(self) -> int:
+        """Per layer: attention, router and shared expert (computed for every token)."""
+        router = self.hidden_size * self.num_experts
+        shared = self._mlp_matrices * self.hidden_size * self.shared_expert_size
+        return self.attention_params + router + shared
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters one layer stores (every expert)."""
+        return self._always_active_params + self.expert_params * max(1, self.num_experts)
+
+    @property
+    def active_layer_params(self) -> int:
+        """Parameters one token computes with per layer (only its routed experts)."""
+        active = self.experts_per_token if self.num_experts else 1
+        return self._always_active_params + self.expert_params * active
+
+    def expert_fraction_read(self, tokens: int) -> float:
+        """Expected share of a layer's experts a call with ``tokens`` tokens reads: each
+        token picks ``experts_per_token`` of ``num_experts`` (uniform routing assumed), so
+        ``1 - (1 - k/E) ** tokens``; 1 for a dense model."""
+        if not self.num_experts:
+            return 1.0
+        return 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** max(0, tokens)
 
     @property
     def params(self) -> int:
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * self.layer_params + embeddings + self.hidden_size
+
+    @property
+    def active_params(self) -> int:
+        """Parameters computed per token (MoE: only the routed experts)."""
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * self.active_layer_params + embeddings + self.hidden_size
 
     @property
     def weight_bytes_total(self) -> int:
@@ -160,24 +208,36 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "custom") -> ModelShape:
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
+        """The shape of an HF ``config.json`` (Llama-style names; GPT2's ``n_*``, OPT's
+        ``ffn_dim``, the MoE families' expert fields understood)."""
+        cfg = {**cfg.get("text_config", {}), **cfg} if "text_config" in cfg else cfg
+        heads = int(cfg.get("num_attention_heads") or cfg["n_head"])
+        hidden = int(cfg.get("hidden_size") or cfg["n_embd"])
+        experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        dense = cfg.get("intermediate_size") or cfg.get("ffn_dim") or cfg.get("n_inner")
+        width = cfg.get("moe_intermediate_size") if experts else None
+        model_type = cfg.get("model_type", "")
         return cls(
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=int(cfg.get("num_hidden_layers") or cfg["n_layer"]),
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=int(width or dense or 4 * hidden),
             vocab_size=int(cfg["vocab_size"]),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             name=name,
+            gated_mlp=model_type not in ("gpt2", "opt", "phi"),
+            num_experts=experts,
+            experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0),
         )
 
     def as_dict(self) -> dict[str, Any]:
         return {
             **asdict(self),
             "params": self.params,
+            "active_params": self.active_params,
             "kv_bytes_per_token": self.kv_bytes_per_token,
         }
 
@@ -192,6 +252,60 @@ PRESETS: dict[str, ModelShape] = {
     "qwen2.5-7b": ModelShape(28, 3584, 28, 4, 128, 18944, 152064, name="qwen2.5-7b"),
     "llama-2-13b": ModelShape(40, 5120, 40, 40, 128, 13824, 32000, name="llama-2-13b"),
     "llama-3-70b": ModelShape(80, 8192, 64, 8, 128, 28672, 128256, name="llama-3-70b"),
+    # model-zoo families (google/gemma-2-9b, microsoft/phi-2, mistralai/Mixtral-8x7B-v0.1,
+    # Qwen/Qwen1.5-MoE-A2.7B, Qwen/Qwen3-30B-A3B, openai/gpt-oss-20b config.json values;
+    # sliding-window layers are costed as full attention: an upper bound)
+    "gemma-2-9b": ModelShape(42, 3584, 16, 8, 256, 14336, 256000, True, name="gemma-2-9b"),
+    "phi-2": ModelShape(32, 2560, 32, 32, 80, 10240, 51200, name="phi-2", gated_mlp=False),
+    "mixtral-8x7b": ModelShape(
+        32,
+        4096,
+        32,
+        8,
+        128,
+        14336,
+        32000,
+        name="mixtral-8x7b",
+        num_experts=8,
+        experts_per_token=2,
+    ),
+    "qwen1.5-moe-a2.7b": ModelShape(
+        24,
+        2048,
+        16,
+        16,
+        128,
+        1408,
+        151936,
+        name="qwen1.5-moe-a2.7b",
+        num_experts=60,
+        experts_per_token=4,
+        shared_expert_size=5632,
+    ),
+    "qwen3-30b-a3b": ModelShape(
+        48,
+        2048,
+        32,
+        4,
+        128,
+        768,
+        151936,
+        name="qwen3-30b-a3b",
+        num_experts=128,
+        experts_per_token=8,
+    ),
+    "gpt-oss-20b": ModelShape(
+        24,
+        2880,
+        64,
+        8,
+        64,
+        2880,
+        201088,
+        name="gpt-oss-20b",
+        num_experts=32,
+        experts_per_token=4,
+    ),
 }
 
 
@@ -255,18 +369,22 @@ def call_cost(
     tokens = sum(r.new for r in rows)
     q_dim = shape.num_heads * shape.head_dim
     attended = sum(r.new * (r.start + (r.new + 1) / 2) for r in rows)  # causal within the call
-    flops_linear = 2.0 * L * shape.layer_params * tokens
+    flops_linear = 2.0 * L * shape.active_layer_params * tokens  # MoE: routed experts only
     flops_head = 2.0 * shape.vocab_size * H * logit_rows
     flops_attn = 4.0 * L * q_dim * attended
     flops = flops_linear + flops_head + flops_attn
 
     per_token_kv = shape.kv_bytes_per_token
-    weights = (L * shape.layer_params + (shape.vocab_size * H if lm_head else 0)) * (
+    experts_read = shape.expert_params * max(1, shape.num_experts)
+    experts_read *= shape.expert_fraction_read(tokens)
+    layer_read = shape.layer_params - shape.expert_params * max(1, shape.num_experts)
+    weights = (L * (layer_read + experts_read) + (shape.vocab_size * H if lm_head else 0)) * (
         shape.weight_bytes
     )
     kv_read = per_token_kv * sum(r.start for r in rows)
     kv_write = per_token_kv * tokens
-    act = L * tokens * (6 * H + 2 * shape.intermediate_size) * 2 + logit_rows * shape.vocab_size * 4
+    mlp_width = shape.intermediate_size * (shape.experts_per_token or 1) + shape.shared_expert_size
+    act = L * tokens * (6 * H + 2 * mlp_width) * 2 + logit_rows * shape.vocab_size * 4
     nbytes = float(weights + kv_read + kv_write + act)
 
     compute_s = flops / (spec.peak_flops * spec.compute_eff * n)

@@ -100,6 +100,10 @@ class KVStepPlan:
     prefill_start: dict[str, int] = field(default_factory=dict)
     scratch_block: int = NO_BLOCK  # padding rows of a decode step write here ...
     scratch_position: int = 0  # ... at this position, which holds no cached KV
+    # Sliding-window artifacts only (rbln_ray.vllm_plugin.kv_slots): each scheduled
+    # request's pinned cache slot, and the slot decode padding rows use.
+    slots: dict[str, int] = field(default_factory=dict)
+    scratch_slot: int = NO_BLOCK
 
 
 @dataclass

@@ -167,6 +167,28 @@ class RBLNModelRunner:
             raise RuntimeError(f"request spans {len(blocks)} KV blocks, compiled maximum {width}")
         return blocks + [NO_BLOCK] * (width - len(blocks))
 
+    def _block_inputs(
+        self, table: torch.Tensor, slots: list[int | None], prefill: bool
+    ) -> dict[str, torch.Tensor | None]:
+        """The block-table inputs the compiled graphs take: ``block_tables`` for paged layers,
+        ``local_block_tables`` (the pinned sliding-window slots: ``[1]`` in prefill, ``[B,1]``
+        in decode) for sliding ones. An input the artifact lacks is passed as None, which
+        optimum's runtime wrapper drops."""
+        art = self.artifact
+        local = None
+        if art.uses_local_cache:
+            if any(s is None for s in slots):
+                raise RuntimeError(
+                    "sliding-window artifact but the step plan has no cache slot for a row: "
+                    "the scheduler must assign slots (RBLNScheduler with kv_slots.SlotManager)"
+                )
+            local = torch.tensor(slots, dtype=torch.int16)
+            local = local if prefill else local.view(-1, 1)
+        return {
+            "block_tables": table if art.uses_global_cache else None,
+            "local_block_tables": local,
+        }
+
     def _copy_kv(self, copies: list[KVCopy]) -> bool:
         """Run the plan's on-device KV copies; False if the runtime cannot copy."""
         if not copies:
@@ -208,8 +230,9 @@ class RBLNModelRunner:
         x = torch.tensor([tokens[start:end]], dtype=torch.long) if hidden is None else hidden
         positions = torch.arange(start, end, dtype=torch.int32).unsqueeze(0)
         table = torch.tensor(self._table_row(plan.tables[req_id]), dtype=torch.int16)
+        tables = self._block_inputs(table, [plan.slots.get(req_id)], prefill=True)
         start_t = time.perf_counter()
-        out = self.model.prefill_decoder(input_ids=x, cache_position=positions, block_tables=table)
+        out = self.model.prefill_decoder(input_ids=x, cache_position=positions, **tables)
         self.stats.device_seconds += time.perf_counter() - start_t
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += end - start
@@ -251,15 +274,20 @@ class RBLNModelRunner:
         rows = [self._table_row(plan.tables[r]) for r in ids_in_order]
         rows += [self._table_row([plan.scratch_block])] * padding
         table = torch.tensor(rows, dtype=torch.int16)
-        mask = None
+        slots = [plan.slots.get(r) for r in ids_in_order] + [plan.scratch_slot] * padding
+        inputs = self._block_inputs(table, slots, prefill=False)
         if self.artifact.use_attention_mask:
             # optimum's own decoder mask buffer is sized for the full batch; pass ours per call.
             span = torch.arange(self.artifact.max_seq_len)
-            mask = (span.view(1, -1) <= cache_pos.view(-1, 1)).float().view(bs, 1, 1, -1)
+            mask = (span.view(1, -1) <= cache_pos.view(-1, 1)).float()
+            # with position ids the mask is [B, S], else [B, 1, 1, S] (get_input_info)
+            inputs["attention_mask"] = (
+                mask if self.artifact.use_position_ids else mask.view(bs, 1, 1, -1)
+            )
+        if self.artifact.use_position_ids:
+            inputs["position_ids"] = cache_pos
         start_t = time.perf_counter()
-        out = self.model.decoders[bs](
-            input_ids=x, cache_position=cache_pos, block_tables=table, attention_mask=mask
-        )
+        out = self.model.decoders[bs](input_ids=x, cache_position=cache_pos, **inputs)
         self.stats.device_seconds += time.perf_counter() - start_t
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(req_ids)

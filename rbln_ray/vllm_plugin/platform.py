@@ -10,7 +10,9 @@ user did not set are overridden from it (logged); a user value the artifact cann
 error that names both values. vLLM's KV blocks are one compiled prefill chunk (128 tokens)
 mapped onto the compiled RBLN blocks (:mod:`rbln_ray.vllm_plugin.kv_blocks`), so vLLM's
 automatic prefix caching (on by default, ``enable_prefix_caching=False`` honoured) and
-chunked prefill work on RBLN.
+chunked prefill work on RBLN. Prefix caching is turned off (logged) for sliding-window
+artifacts, as vllm-rbln does, and both are off for families whose compiled prefill cannot
+resume mid-prompt (Gemma3).
 """
 
 from __future__ import annotations
@@ -111,6 +113,26 @@ def _sync_kv_cache(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
             art.prefill_chunk_size,
         )
         cache.enable_prefix_caching = False
+    if cache.enable_prefix_caching and art.uses_local_cache:
+        # As vllm-rbln: a sliding-window slot holds only a sequence's last window tokens, in
+        # a per-request slot, so no cached prefix can be adopted or copied into another.
+        logger.info(
+            "prefix caching off: %s uses a sliding-window KV cache (%s, window %s)",
+            art.path.name,
+            art.cache_impl,
+            art.sliding_window,
+        )
+        cache.enable_prefix_caching = False
+    if cache.enable_prefix_caching and not art.prefill_resumable:
+        logger.info("prefix caching off: %s: %s", art.path.name, _NOT_RESUMABLE)
+        cache.enable_prefix_caching = False
+
+
+# Why some families' prompts are prefilled whole (see rbln_ray.compile.zoo).
+_NOT_RESUMABLE = (
+    "its compiled prefill cannot start mid-prompt (optimum-rbln 0.12's "
+    "RBLNDecoderOnlyChunkedMultimodalPrefillMixin builds the attention mask from position 0)"
+)
 
 
 def _sync_scheduler(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
@@ -123,6 +145,9 @@ def _sync_scheduler(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
         )
     sched.max_num_seqs = min(sched.max_num_seqs, art.max_num_seqs)
     max_len = vllm_config.model_config.max_model_len
+    if sched.enable_chunked_prefill and not art.prefill_resumable:
+        logger.info("chunked prefill off: %s: %s", art.path.name, _NOT_RESUMABLE)
+        sched.enable_chunked_prefill = False
     if sched.enable_chunked_prefill:
         # One compiled chunk per prefill step, so decodes run between a long prompt's chunks;
         # a decode step needs one token per compiled batch row.
@@ -175,6 +200,11 @@ def _sync_parallel(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
         raise RBLNConfigError(
             f"pipeline_parallel_size={parallel.pipeline_parallel_size} conflicts with "
             f"{art.path}, compiled as {art.num_stages} pipeline stage(s)"
+        )
+    if art.num_stages > 1 and art.uses_local_cache:
+        raise RBLNConfigError(
+            f"{art.path}: pipeline stages of a sliding-window ({art.cache_impl}) artifact are "
+            "not supported"
         )
     parallel.pipeline_parallel_size = art.num_stages
     parallel.world_size = art.num_stages

@@ -21,6 +21,8 @@ vLLM's KV cache manager (its prefix cache included) works on small vLLM blocks; 
 step :class:`~rbln_ray.vllm_plugin.kv_blocks.OuterBlockManager` maps them onto the compiled
 RBLN blocks and the step's :class:`~rbln_ray.vllm_plugin.kv_blocks.KVStepPlan` (block tables,
 on-device KV copies, scratch block) travels to the workers in :class:`RBLNSchedulerOutput`.
+Sliding-window artifacts also get each request's pinned cache slot there
+(:class:`~rbln_ray.vllm_plugin.kv_slots.SlotManager`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from rbln_ray.vllm_plugin.kv_blocks import BlockLayout, KVStepPlan, OuterBlockManager
+from rbln_ray.vllm_plugin.kv_slots import SlotManager
 from rbln_ray.vllm_plugin.options import RBLNOptions
 
 logger = logging.getLogger(__name__)
@@ -75,6 +78,8 @@ class _RBLNScheduling:
         self.step_tokens = sched.long_prefill_token_threshold or sched.max_num_batched_tokens
         self.options = RBLNOptions.from_vllm_config(self.vllm_config)
         self.outer_blocks = OuterBlockManager(self.layout, self._evict_hashes)
+        # Sliding-window layers: one pinned cache slot per running request (kv_slots).
+        self.slots = SlotManager(artifact.batch_size) if artifact.uses_local_cache else None
         self._decodes_since_prefill = self.options.decode_steps_between_chunks
         # The last prefill attempt scheduled nothing while requests were decoding: run the
         # decodes next instead of retrying the prefill in a loop.
@@ -131,7 +136,7 @@ class _RBLNScheduling:
         chunk of a prompt being prefilled once enough decode steps ran since the last chunk,
         else decode every decoding request."""
         self.outer_blocks.tick()
-        self.outer_blocks.release_missing({r.request_id for r in self.running})
+        self._release_missing()
         prefilling = [r for r in self.running if r.is_prefill_chunk]
         decoding = [r for r in self.running if not r.is_prefill_chunk]
         gap = self.options.decode_steps_between_chunks
@@ -188,7 +193,7 @@ class _RBLNScheduling:
             # vLLM 0.30 internal (Scheduler._preempt_request): the same preemption vLLM runs
             # when its own KV blocks run out, triggered here for RBLN blocks.
             self._preempt_request(victim, time.monotonic())
-            self.outer_blocks.release_missing({r.request_id for r in self.running})
+            self._release_missing()
             logger.info("preempted %s: no free RBLN KV block", victim.request_id)
 
     # ------------------------------------------------------------------ block plan
@@ -196,7 +201,7 @@ class _RBLNScheduling:
         plan = KVStepPlan(kind)
         manager = self.outer_blocks
         # Requests vLLM preempted in this very step give their RBLN blocks back first.
-        manager.release_missing({r.request_id for r in self.running})
+        self._release_missing()
         starts = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
         cached = output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -215,10 +220,21 @@ class _RBLNScheduling:
             else:
                 manager.extend(req_id, request.block_hashes, end)
             plan.tables[req_id] = manager.table(req_id)
+            if self.slots is not None:
+                plan.slots[req_id] = self.slots.slot(req_id)
         if kind == "decode":
             plan.scratch_block, plan.scratch_position = manager.scratch()
+            if self.slots is not None:
+                plan.scratch_slot = self.slots.scratch()
         manager.flush_evictions()
         return plan
+
+    def _release_missing(self) -> None:
+        """Requests no longer running give back their RBLN blocks and cache slots."""
+        live = {r.request_id for r in self.running}
+        self.outer_blocks.release_missing(live)
+        if self.slots is not None:
+            self.slots.release_missing(live)
 
     def _evict_hashes(self, hashes: list[Hashable]) -> None:
         """Drop from vLLM's prefix cache the blocks whose KV no RBLN block holds any more."""

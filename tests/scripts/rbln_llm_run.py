@@ -7,11 +7,20 @@ structured_outputs as a dict}}], "passes": N (default 1: run the requests N time
 ``generate`` call each), "rpc": [method, ...]}``.
 Output: one line ``RESULT {...}`` with per-request outputs (of the last pass; every pass in
 ``passes``) and the collective_rpc results.
+
+``argv[1]`` may also be ``@PATH``: the JSON is read from that file (a spec too long for a
+command line).
+
+Several engines one after another (``{"runs": [spec, ...]}``): one process pays vLLM's import
+cost once for all of them; each engine is shut down (its device freed) before the next
+starts, and a run that fails reports ``{"error": ...}`` instead of stopping the others.
+Output then: ``RESULT {"runs": [result | {"error": str}, ...]}``.
 """
 
 import json
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
 
@@ -22,12 +31,16 @@ def _logprobs(lp):
     return [{str(tok): v.logprob for tok, v in step.items()} for step in lp]
 
 
-if __name__ == "__main__":
-    from vllm import LLM, SamplingParams
+def start(spec: dict):
+    from vllm import LLM
+
+    return LLM(model=spec["model"], seed=0, **spec.get("llm_kwargs", {}))
+
+
+def run(llm, spec: dict) -> dict:
+    from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    spec = json.loads(sys.argv[1])
-    llm = LLM(model=spec["model"], seed=0, **spec.get("llm_kwargs", {}))
     prompts, params = [], []
     for req in spec["requests"]:
         if "prompt" in req:
@@ -69,4 +82,33 @@ if __name__ == "__main__":
             ),
         },
     }
-    print("RESULT " + json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    import logging
+    import time
+    import traceback
+
+    arg = sys.argv[1]
+    spec = json.loads(Path(arg[1:]).read_text() if arg.startswith("@") else arg)
+    if "runs" not in spec:
+        print("RESULT " + json.dumps(run(start(spec), spec)), flush=True)
+        sys.exit(0)
+    results = []
+    log = logging.getLogger("rbln_llm_run")
+    for one in spec["runs"]:
+        llm, started = None, time.monotonic()
+        try:
+            llm = start(one)
+            results.append(run(llm, one))
+        except Exception as exc:  # reported per run; the test names the failing one
+            traceback.print_exc()
+            results.append({"error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            if llm is not None:
+                # stop the engine process (and free its emulated device) before the next
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+        log.warning("run %s: %.1f s", one["model"], time.monotonic() - started)
+    print("RESULT " + json.dumps({"runs": results}), flush=True)

@@ -26,7 +26,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import compiled_model
+from tests.helpers import compiled_model
 from tests.ray_cluster import multinode_cluster
 from tests.serve.conftest import free_port
 

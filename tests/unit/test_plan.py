@@ -67,3 +67,30 @@ def test_70b_needs_a_shard_group_and_dims_input() -> None:
     coarse = shape_from_dims(8.03e9, 32, 4096, 131072, vocab_size=128256)
     assert coarse.kv_bytes_per_token == 131072
     assert abs(coarse.params - 8.03e9) / 8.03e9 < 0.02
+
+
+def test_moe_presets_count_only_active_experts_in_flops(capsys) -> None:
+    """Mixtral-8x7B: memory holds all 8 experts (46.7 B params), FLOPs use the 2 routed
+    ones (12.9 B); a one-token decode reads ~2/8 of the experts, a long prefill all."""
+    from rbln_ray.npu.cost_model import Row, call_cost
+
+    mixtral = preset("mixtral-8x7b")
+    assert abs(mixtral.params - 46.7e9) / 46.7e9 < 0.01
+    assert abs(mixtral.active_params - 12.9e9) / 12.9e9 < 0.01
+    prefill = call_cost(mixtral, [Row(new=512)], logit_rows=1)
+    per_layer_active = prefill.breakdown["flops_linear"] / (2 * 512 * mixtral.num_layers)
+    assert per_layer_active == mixtral.active_layer_params < mixtral.layer_params / 3
+    one = call_cost(mixtral, [Row(new=1, start=100)], logit_rows=1).breakdown["bytes_weights"]
+    assert prefill.breakdown["bytes_weights"] > 3 * one
+    embeddings = mixtral.vocab_size * mixtral.hidden_size * mixtral.weight_bytes  # a lookup
+    all_read = mixtral.weight_bytes_total - embeddings
+    assert abs(prefill.breakdown["bytes_weights"] - all_read) < 1e-3 * all_read
+    assert (
+        plan_main(
+            ["--model", "mixtral-8x7b", "--input-len", "512", "--output-len", "64", "--rate", "1"]
+        )
+        == 0
+    )
+    assert "mixtral-8x7b" in capsys.readouterr().out
+    for name in ("gemma-2-9b", "phi-2", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "gpt-oss-20b"):
+        assert plan(preset(name), Workload(512, 128, rate=1)).model["name"] == name

@@ -64,7 +64,17 @@ class KVCacheLM:
         block = table[position // self.block_size]
         return None if block < 0 else (block, position % self.block_size)
 
-    def _call(self, input_ids, cache_position, block_tables, attention_mask=None):
+    def _call(
+        self,
+        input_ids,
+        cache_position,
+        block_tables,
+        local_block_tables=None,
+        attention_mask=None,
+        position_ids=None,
+    ):
+        # A static-cache model: no sliding-window slots, positions are the cache positions.
+        assert local_block_tables is None and position_ids is None
         tables = block_tables.view(input_ids.shape[0], -1).tolist()
         logits = torch.zeros(input_ids.shape[0], input_ids.shape[1], VOCAB)
         for row, (ids, positions, table) in enumerate(

@@ -1,0 +1,152 @@
+"""The model-zoo table: the README's support matrix, the verification claims it makes, the
+architecture lookup, clear errors for unsupported models and rejected config values, and the
+sliding-window cache slots."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rbln_ray.cli.main import main as cli_main
+from rbln_ray.compile.zoo import (
+    FAMILIES,
+    GREEDY_TEST,
+    LLM_GREEDY_TEST,
+    UNVERIFIED,
+    UnsupportedModelError,
+    family_for_dir,
+    get_rbln_model_info,
+    support_matrix,
+)
+from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK
+from rbln_ray.vllm_plugin.kv_slots import SlotManager
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _cli_logging_per_test() -> Iterator[None]:
+    """The CLI attaches a handler to the then-current stderr (capsys's, closed after the
+    test); drop it so the next test's CLI call attaches a fresh one."""
+    logger = logging.getLogger("rbln_ray")
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    yield
+    logger.handlers[:], logger.propagate, logger.level = saved[0], saved[1], saved[2]
+
+
+def test_readme_support_matrix_is_the_table() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert support_matrix() in readme, (
+        "README.md's support matrix differs from rbln_ray.compile.zoo; paste "
+        "`python -c 'from rbln_ray.compile.zoo import support_matrix; print(support_matrix())'`"
+    )
+
+
+def test_every_verified_claim_is_a_test_case() -> None:
+    """Each 'verified by' names a parametrized case that exists (and so runs in make test)."""
+    from tests.vllm_plugin import test_llm_greedy, test_zoo_greedy
+
+    zoo_cases = {f"{GREEDY_TEST}[{f}-{a}]" for f, a in test_zoo_greedy.CASES}
+    marks = test_llm_greedy.test_llm_greedy_matches_transformers.pytestmark
+    llm_cases = {
+        f"{LLM_GREEDY_TEST}[{f}-{a}]"
+        for m in marks
+        if m.name == "parametrize"
+        for f, a in m.args[1]
+    }
+    claims = {ref for fam in FAMILIES.values() for ref in fam.verified_by.values()}
+    assert claims <= zoo_cases | llm_cases, claims - (zoo_cases | llm_cases)
+    # every family is verified under at least one attention implementation
+    assert all(fam.verified_by for fam in FAMILIES.values())
+
+
+def test_get_rbln_model_info_and_lookup_errors(tmp_path: Path) -> None:
+    assert get_rbln_model_info({"architectures": ["Gemma2ForCausalLM"]}) == (
+        "gemma2",
+        "RBLNGemma2ForCausalLM",
+    )
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MidmLMHeadModel"]}))
+    with pytest.raises(UnsupportedModelError) as err:
+        family_for_dir(tmp_path)
+    message = str(err.value)
+    assert UNVERIFIED["MidmLMHeadModel"] in message  # says why
+    assert all(f.architecture in message for f in FAMILIES.values())  # and what works
+
+
+@pytest.mark.parametrize("arch", ["Phi3ForCausalLM", "MidmLMHeadModel", None])
+def test_compile_of_unsupported_architecture_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture, arch: str | None
+) -> None:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"architectures": [arch] if arch else []}))
+    assert cli_main(["compile", str(hf), str(tmp_path / "out"), "--max-seq-len", "512"]) == 2
+    err = capsys.readouterr().err
+    assert f"architecture [{arch!r}]" in err if arch else "architecture unknown" in err
+    assert "supported: LlamaForCausalLM" in err and "GptOssForCausalLM" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_compile_of_a_rejected_config_value_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """optimum-rbln's own validation (a sliding window beyond ATOM's limit) surfaces as one
+    line naming the value, the model and the settings, not a compiler traceback."""
+    os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
+    from rbln_ray.models import build_tiny_model
+
+    hf = build_tiny_model(
+        family="gemma2",
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+        sliding_window=40000,
+    )
+    out = tmp_path / "out"
+    assert cli_main(["compile", str(hf), str(out), "--max-seq-len", "512"]) == 2
+    err = capsys.readouterr().err
+    assert "Sliding window size (40000) must be at most 32640 on ATOM" in err
+    assert "Gemma2ForCausalLM via RBLNGemma2ForCausalLM" in err and "max_seq_len=512" in err
+    assert "Traceback" not in err
+
+
+def test_slot_manager_pins_lowest_free_slot_until_the_request_leaves() -> None:
+    slots = SlotManager(3)
+    assert [slots.slot(r) for r in ("a", "b", "a", "c")] == [0, 1, 0, 2]
+    assert slots.scratch() == NO_BLOCK  # every slot held: padding rows touch none
+    with pytest.raises(RuntimeError, match="no free sliding-window cache slot"):
+        slots.slot("d")
+    slots.release_missing({"a", "c"})  # b finished
+    assert slots.scratch() == 1
+    assert slots.slot("d") == 1 and slots.slot("c") == 2
+    slots.release_missing(set())
+    assert slots.assignment() == {} and slots.slot("e") == 0
+    with pytest.raises(ValueError):
+        SlotManager(0)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_build_model_builds_every_family_as_the_table_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture, name: str
+) -> None:
+    """``rbln-ray build-model FAMILY`` writes a transformers model whose config.json is the
+    table's architecture and model_type (the loader and the CLI look families up by it)."""
+    out = tmp_path / name
+    args = ["build-model", name, "--out", str(out), "--hidden-size", "64", "--num-heads", "2"]
+    assert cli_main([*args, "--num-kv-heads", "1", "--intermediate-size", "128"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    config = json.loads((out / "config.json").read_text())
+    family = FAMILIES[name]
+    assert (config["architectures"], config["model_type"]) == (
+        [family.architecture],
+        family.model_type,
+    )
+    assert family_for_dir(out) is family
+    assert get_rbln_model_info(config) == (name, family.optimum_class)
