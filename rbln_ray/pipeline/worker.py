@@ -35,10 +35,9 @@ class PipelineWorker(RBLNWorker):
     next_stage: Any = None  # the Ray actor of rank + 1 (None on the last rank)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
-        from rbln_ray.emulator import ensure_runtime
+        from rbln_ray.emulator import require_runtime
 
-        if ensure_runtime() == "none":
-            raise RuntimeError("no RBLN runtime in this process (set RBLN_RAY_DEVICE=emulated?)")
+        require_runtime("load a pipeline stage")
         self.stage = StageModel.load(self.artifact.path, self.rank, self.device_ids)
         self.model_runner = RBLNModelRunner(
             self.vllm_config,
