@@ -62,7 +62,7 @@ ssh-test-tools:
 # per worker at a time (TEST_WORKERS=0: all in this process, in file order).
 TEST_WORKERS ?= 2
 test: setup lint
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # The in-process tier (tests/unit: no subprocess, no Ray, no device), well under 2 minutes.
 test-fast: $(STAMP)

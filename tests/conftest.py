@@ -14,18 +14,21 @@ import pytest
 
 # Test files that share fixed resources run in one xdist worker, one after another: the
 # loopback "hosts" (127.0.0.10-12, sshd) and raylets on fixed addresses of tests/cluster.
-SERIAL_GROUPS = {"tests/cluster/": "loopback-hosts"}
+SERIAL_GROUPS = {"tests/cluster/": "tests/cluster"}
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """With ``pytest -n N --dist loadgroup`` (``make test``), a test file is one unit of work:
-    its module-scoped engines, clusters and Serve apps start once, in one worker. Runs before
-    xdist's own hook, which reads the ``xdist_group`` marks."""
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        group = next((g for prefix, g in SERIAL_GROUPS.items() if path.startswith(prefix)), path)
-        item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``make test`` (``pytest -n N``): a test file is one unit of work, so its module-scoped
+    engines, clusters and Serve apps start once, in one worker; the files of a
+    :data:`SERIAL_GROUPS` prefix are one unit together."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return next((g for p, g in SERIAL_GROUPS.items() if path.startswith(p)), path)
+
+    return FileScheduling(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
