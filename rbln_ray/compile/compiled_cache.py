@@ -7,16 +7,13 @@ starting at once compile once (a file lock; the loser reuses the winner's direct
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-from rbln_ray.common.paths import atomic_dir, cache_dir
+from rbln_ray.common.paths import atomic_dir, cache_dir, file_lock
 from rbln_ray.compile.artifact import is_compiled_dir
 from rbln_ray.compile.settings import CompileSettings
 from rbln_ray.compile.zoo import family_for_dir
@@ -34,18 +31,6 @@ def content_hash(model_dir: Path) -> str:
                 for chunk in iter(lambda: f.read(1 << 20), b""):
                     h.update(chunk)
     return h.hexdigest()[:16]
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Exclusive lock so two engines never compile the same artifact at once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def target_npu() -> str:
@@ -80,7 +65,7 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
         ).encode()
     ).hexdigest()[:16]
     out = cache_dir() / "compiled" / f"{model_dir.name}-{key}"
-    with _file_lock(out.with_name(out.name + ".lock")):
+    with file_lock(out.with_name(out.name + ".lock")):
         if is_compiled_dir(out):
             logger.info("using cached compiled model %s", out)
             return out

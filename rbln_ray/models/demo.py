@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rbln_ray.common.paths import atomic_dir, cache_dir
+from rbln_ray.common.paths import atomic_dir, cache_dir, file_lock
 from rbln_ray.models.builder import TinyModelSpec, make_config
 from rbln_ray.models.tokenizer import build_tokenizer, corpus_files
 
@@ -129,9 +129,10 @@ def demo_model_dir(recipe: DemoTraining | None = None) -> Path:
 
     recipe = recipe or DemoTraining()
     key = hashlib.sha256(
-        json.dumps([asdict(DEMO_SPEC), asdict(recipe)], sort_keys=True).encode()
+        json.dumps([DEMO_SPEC.key_fields(), asdict(recipe)], sort_keys=True).encode()
     ).hexdigest()[:12]
     out = cache_dir() / "models" / f"demo-llama-{key}"
-    if not (out / "config.json").exists():
-        train_demo_model(out, recipe)
+    with file_lock(out.with_name(out.name + ".lock")):
+        if not (out / "config.json").exists():
+            train_demo_model(out, recipe)
     return out
