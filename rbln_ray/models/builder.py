@@ -74,9 +74,8 @@ class TinyModelSpec:
         return fields
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(self.key_fields(), sort_keys=True).encode()).hexdigest()[
-            :12
-        ]
+        digest = hashlib.sha256(json.dumps(self.key_fields(), sort_keys=True).encode())
+        return digest.hexdigest()[:12]
 
 
 def make_config(spec: TinyModelSpec, bos_id: int, eos_id: int, pad_id: int):
