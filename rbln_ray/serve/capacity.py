@@ -13,6 +13,12 @@ alive nodes. It waits up to the model's ``placement_timeout_s`` for nodes that c
 (workers may still be joining: ``ray up`` returns before the head's autoscaler has started
 them) and otherwise fails the deploy naming what was asked and what the cluster has. Devices
 that exist but are busy are not this check's business: Serve waits for those, as it should.
+
+The failure is :class:`InfeasibleReplicaError`, a ``RayServeException``: Serve's build task
+(Ray 2.60, ``build_serve_application``: ``max_retries=3, retry_exceptions=True``) retries any
+other exception three times, each in a fresh worker that re-imports the app, but returns a
+``RayServeException``'s message as the app's DEPLOY_FAILED status at once. An infeasible
+cluster stays infeasible for a retry, so the first failure is final.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from ray.serve.exceptions import RayServeException
 
 from rbln_ray.executor.placement import PlacementError, cluster_summary
 
@@ -41,6 +49,10 @@ class ReplicaShape:
 
     def describe(self) -> str:
         return f"placement group {list(self.bundles)} (strategy {self.strategy})"
+
+
+class InfeasibleReplicaError(PlacementError, RayServeException):
+    """No node set of the cluster can hold a model's replica (final: Serve does not retry)."""
 
 
 def _fits(bundle: Bundle, free: Bundle) -> bool:
@@ -94,47 +106,14 @@ def alive_node_totals() -> list[Bundle]:
     ]
 
 
-def first_attempt_started() -> float:
-    """Wall-clock time the first attempt of this Ray task started (now outside a task).
-
-    Why: Serve retries a failed app build three times (Ray 2.60: ``build_serve_application``
-    is ``max_retries=3, retry_exceptions=True``), each in a fresh worker. Anchoring the wait
-    at the first attempt keeps the whole deploy within ``placement_timeout_s`` (plus the
-    builds' start-up) instead of four times it. Retries keep their task id, so the anchor is
-    kept under that id in the cluster's internal key-value store.
-    """
-    import ray
-    from ray.experimental import internal_kv
-
-    now = time.time()
-    if not ray.is_initialized():
-        return now
-    context = ray.get_runtime_context()
-    if context.worker.mode != ray.WORKER_MODE:  # a driver (serve run, rbln-ray serve)
-        return now
-    task_id = context.get_task_id()
-    if task_id is None:
-        return now
-    key = f"rbln_ray:placement_wait:{task_id}".encode()
-    try:
-        stored = internal_kv._internal_kv_get(key)
-        if stored is not None:
-            return float(stored)
-        internal_kv._internal_kv_put(key, repr(now).encode(), overwrite=False)
-    except Exception:  # noqa: BLE001 - without the store each attempt waits the full timeout
-        logger.debug("no internal KV for the placement wait anchor", exc_info=True)
-    return now
-
-
 def wait_placeable(
     shapes: Sequence[ReplicaShape],
     nodes: Callable[[], list[Bundle]] = alive_node_totals,
     summary: Callable[[], str] = cluster_summary,
-    started: float | None = None,
 ) -> None:
-    """Return once every shape fits the cluster; raise :class:`PlacementError` for the first
-    that still does not fit ``timeout_s`` after ``started`` (wall clock; default now)."""
-    started = time.time() if started is None else started
+    """Return once every shape fits the cluster; raise :class:`InfeasibleReplicaError` for
+    the first that still does not fit after its ``timeout_s``."""
+    started = time.monotonic()
     pending = list(shapes)
     logged = False
     while pending:
@@ -142,14 +121,14 @@ def wait_placeable(
         pending = [s for s in pending if not placeable(s.bundles, s.strategy, totals)]
         if not pending:
             return
-        waited = time.time() - started
+        waited = time.monotonic() - started
         late = [s for s in pending if waited >= s.timeout_s]
         if late:
             s = late[0]
-            raise PlacementError(
+            raise InfeasibleReplicaError(
                 f"model {s.model}: no node of this cluster can hold a replica's "
-                f"{s.describe()} within placement_timeout_s={s.timeout_s:g} (first build "
-                f"attempt {waited:.0f} s ago); {summary()}"
+                f"{s.describe()} within placement_timeout_s={s.timeout_s:g} (waited "
+                f"{waited:.0f} s); {summary()}"
             )
         if not logged:
             logger.warning(
