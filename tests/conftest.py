@@ -12,22 +12,57 @@ from pathlib import Path
 
 import pytest
 
-# Test files that share fixed resources run in one xdist worker, one after another: the
-# loopback "hosts" (127.0.0.10-12, sshd) and raylets on fixed addresses of tests/cluster.
-SERIAL_GROUPS = {"tests/cluster/": "tests/cluster"}
+# Test files that run in one xdist worker, one after another: the loopback "hosts"
+# (127.0.0.10-12, sshd) and raylets on fixed addresses of tests/cluster; the one app that
+# tests/reliability's files share (a package-scoped fixture).
+SERIAL_GROUPS = {"tests/cluster/": "tests/cluster", "tests/reliability/": "tests/reliability"}
+
+# Seconds each unit of work took in `make test` on this 2-core machine (2 workers; README,
+# "Tests"), for units over a minute. xdist hands units out longest first, so a long one never
+# starts last while the other worker idles (xdist's default order is most tests first);
+# units not listed follow in file order. Only the order depends on these numbers.
+UNIT_SECONDS = {
+    "tests/cluster": 1050,
+    "tests/serve/test_scaling_under_load.py": 850,
+    "tests/reliability": 700,
+    "tests/serve/test_openai_app.py": 410,
+    "tests/pipeline/test_pipeline.py": 310,
+    "tests/executor/test_ray_executor.py": 300,
+    "tests/serve/test_prefix_affinity.py": 220,
+    "tests/vllm_plugin/test_zoo_greedy.py": 210,
+    "tests/serve/test_cli_serve.py": 200,
+    "tests/serve/test_backpressure.py": 190,
+    "tests/serve/test_zoo_serve.py": 180,
+    "tests/test_foundation.py": 150,
+    "tests/emulator/test_optimum_e2e.py": 140,
+    "tests/vllm_plugin/test_prefix_caching.py": 130,
+    "tests/vllm_plugin/test_llm_greedy.py": 100,
+    "tests/vllm_plugin/test_vllm_serve.py": 80,
+}
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file, or its :data:`SERIAL_GROUPS` group."""
+    path = nodeid.split("::", 1)[0]
+    return next((g for p, g in SERIAL_GROUPS.items() if path.startswith(p)), path)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Longest units first (a stable sort: tests keep their order within a unit)."""
+    items.sort(key=lambda item: -UNIT_SECONDS.get(unit_of(item.nodeid), 0))
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """``make test`` (``pytest -n N``): a test file is one unit of work, so its module-scoped
-    engines, clusters and Serve apps start once, in one worker; the files of a
-    :data:`SERIAL_GROUPS` prefix are one unit together."""
+    """``make test`` (``pytest -n N``): a unit of work (:func:`unit_of`) goes to one worker,
+    so its module-scoped engines, clusters and Serve apps start once, and units are handed
+    out in collection order (:func:`pytest_collection_modifyitems`)."""
     from xdist.scheduler import LoadFileScheduling
 
     class FileScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return next((g for p, g in SERIAL_GROUPS.items() if path.startswith(p)), path)
+            return unit_of(nodeid)
 
+    config.option.loadscopereorder = False  # keep the longest-first order
     return FileScheduling(config, log)
 
 

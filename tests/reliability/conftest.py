@@ -15,8 +15,10 @@ from tests.serve.conftest import RunningApp, free_port, start_app, stop_app
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def tiny_app() -> Iterator[RunningApp]:
+    """One app for the package's files (they run in one xdist worker: tests/conftest.py's
+    SERIAL_GROUPS); each test leaves it serving with both replicas up."""
     config = {
         "models": [{"name": MODEL, "model": str(compiled_model("llama")), "num_replicas": 2}],
         "limits": {"max_n": 4, "max_tokens": 1000},

@@ -6,9 +6,14 @@ Usage: vllm_cpu_greedy.py MAX_TOKENS PROMPTS_JSON MODEL_DIR [MODEL_DIR ...]
 
 import gc
 import json
+import os
 import sys
 
 if __name__ == "__main__":
+    # The engine core in this process: one engine per model, one after another, without
+    # spawning (and importing vLLM in) two processes per model; a fixed KV budget instead of
+    # profiling host memory that other tests' processes share.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     max_tokens, prompts = int(sys.argv[1]), json.loads(sys.argv[2])
@@ -19,7 +24,7 @@ if __name__ == "__main__":
             dtype="float32",
             max_model_len=512,
             max_num_seqs=8,
-            gpu_memory_utilization=0.2,
+            kv_cache_memory_bytes=1 << 27,  # 128 MiB: ample for 8 x 512 tokens
             enforce_eager=True,
             seed=0,
         )
