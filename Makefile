@@ -11,7 +11,7 @@ PEER_STAMP := $(PEER)/.peer-installed
 
 .PHONY: setup peer-env test test-fast lint demo clean ssh-test-tools
 
-setup: $(STAMP) $(ALIAS_STAMP) $(PEER_STAMP) ssh-test-tools
+setup: $(STAMP) $(ALIAS_STAMP) $(PEER_STAMP) ssh-test-tools $(PROMETHEUS)
 
 peer-env: $(PEER_STAMP)
 
@@ -58,6 +58,18 @@ ssh-test-tools:
 	       "sudo apt-get install openssh-server rsync"; \
 	fi
 
+# The Prometheus test (tests/serve/test_cli_serve.py) runs a real Prometheus server: Debian's
+# package, unpacked into .tools/ (`apt-get download` + `dpkg-deb -x`), never installed, so no
+# system service is started or configured. `apt-get update` only if the package lists lack it.
+PROMETHEUS := .tools/prometheus/usr/bin/prometheus
+$(PROMETHEUS):
+	mkdir -p .tools/prometheus
+	cd .tools && { apt-get download prometheus 2>/dev/null || \
+	  { apt-get update -qq && apt-get download prometheus; }; }
+	dpkg-deb -x .tools/prometheus_*.deb .tools/prometheus
+	rm -f .tools/prometheus_*.deb
+	$(PROMETHEUS) --version | head -1
+
 # Everything (what .ci/run calls): lint, the layer order, then every test tier, one test file
 # per worker at a time (TEST_WORKERS=0: all in this process, in file order).
 TEST_WORKERS ?= 2
@@ -77,4 +89,4 @@ demo: setup
 	$(BIN)/rbln-ray serve
 
 clean:
-	rm -rf $(VENV) $(PEER) build *.egg-info
+	rm -rf $(VENV) $(PEER) .tools build *.egg-info

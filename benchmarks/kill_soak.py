@@ -54,18 +54,21 @@ def live_replicas(victims: set[str]) -> int:
     return min(running_replicas(), len(set(replica_actor_names()) - victims))
 
 
-def retries_total(url: str) -> float:
+def retries_total() -> float:
+    """``rbln_request_retries`` over every node's Ray metrics export (lags up to 10 s)."""
     import httpx
+    import ray
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(
-        s.value
-        for fam in text_string_to_metric_families(text)
-        if fam.name == "rbln_request_retries"
-        for s in fam.samples
-        if not s.name.endswith("_created")
-    )
+    total = 0.0
+    for node in ray.nodes():
+        if node.get("Alive") and node.get("MetricsExportPort"):
+            url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+            for fam in text_string_to_metric_families(httpx.get(url, timeout=30).text):
+                total += sum(
+                    s.value for s in fam.samples if s.name == "ray_rbln_request_retries_total"
+                )
+    return total
 
 
 async def clients(url: str, concurrency: int, stop: threading.Event, out: list[dict]) -> None:
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             target=lambda: asyncio.run(clients(url, args.concurrency, stop, results)),
             daemon=True,
         )
-        retries_before = retries_total(url)
+        retries_before = retries_total()
         t0 = time.monotonic()
         load.start()
         next_kill = t0 + args.kill_every
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         stop.set()
         load.join(timeout=900)
         elapsed = time.monotonic() - t0
-        retries = retries_total(url) - retries_before
+        retries = retries_total() - retries_before
     finally:
         stop.set()
         serve.shutdown()

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rbln_ray.common.logging_setup import LEVELS, apply_process_defaults, setup_logging
+from rbln_ray.serve.local_ray import METRICS_EXPORT_PORT
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -141,6 +142,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", help="require this bearer token on /v1 routes")
     s.add_argument(
         "--address", help="Ray cluster to join (default: RAY_ADDRESS or a new local one)"
+    )
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        default=METRICS_EXPORT_PORT,
+        help="Prometheus port of Ray's metrics export on the new local instance, "
+        f"127.0.0.1 (default {METRICS_EXPORT_PORT}; a joined cluster keeps its own)",
     )
     s.set_defaults(func=cmd_serve)
 

@@ -32,9 +32,10 @@ def prepare_models(config: AppConfig) -> AppConfig:
     return config.model_copy(update={"models": models})
 
 
-def start_ray(address: str | None, emulated: bool) -> None:
+def start_ray(address: str | None, emulated: bool, metrics_port: int) -> None:
     """Join ``address`` (or ``RAY_ADDRESS``), else start a local instance with the devices,
-    closed to the network (:mod:`rbln_ray.serve.local_ray`)."""
+    closed to the network (:mod:`rbln_ray.serve.local_ray`), exporting its metrics for
+    Prometheus on ``127.0.0.1:metrics_port``."""
     import ray
 
     from rbln_ray.emulator.devices import physical_count
@@ -46,7 +47,9 @@ def start_ray(address: str | None, emulated: bool) -> None:
         return
     resources = {"RBLN": physical_count()} if emulated else None
     # Bundle CPUs are accounting, not cores: give the local instance room for the replicas.
-    start_loopback_ray(num_cpus=max(8, os.cpu_count() or 1), resources=resources)
+    start_loopback_ray(
+        num_cpus=max(8, os.cpu_count() or 1), resources=resources, metrics_port=metrics_port
+    )
 
 
 def probe_http_path(config: AppConfig) -> None:
@@ -90,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key:
         overrides["api_key"] = args.api_key
     config = prepare_models(config.model_copy(update=overrides))
-    start_ray(args.address, emulated=runtime == "emulated")
+    start_ray(args.address, emulated=runtime == "emulated", metrics_port=args.metrics_port)
     serve.start(http_options={"host": config.host, "port": config.port})
     logger.info("starting %d model(s): %s", len(config.models), [m.name for m in config.models])
     level = os.environ.get(LEVEL_ENV, "INFO").upper()

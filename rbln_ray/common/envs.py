@@ -51,6 +51,9 @@ _VARS = (
     EnvVar("RBLN_RAY_LOG_LEVEL", _upper, "INFO", "level of the rbln_ray logger"),
     EnvVar("RBLN_RAY_NODE_ID", str, None,
            "node the emulated devices belong to when Ray is not initialised (set in actors)"),
+    EnvVar("RBLN_RAY_REPLICA", str, None,
+           "Serve replica an engine serves (set by the replica, forwarded to its workers): "
+           "the replica tag of their device metrics"),
     EnvVar("RBLN_RAY_EMULATED_DEVICES", _positive_int, 4, "emulated RBLN devices per node"),
     EnvVar("RBLN_RAY_EMULATED_NPU", str, None,
            "kind of the emulated devices: atom / rebel or an NPU name (default ATOM)"),
@@ -74,7 +77,12 @@ REGISTRY: dict[str, EnvVar] = {var.name: var for var in _VARS}
 NAMES: tuple[str, ...] = tuple(REGISTRY)
 # What a worker actor needs to pick the same runtime as its driver. Not the device kind:
 # that belongs to the node (its raylet's environment), and a REBEL node may serve an ATOM driver.
-FORWARDED: tuple[str, ...] = ("RBLN_RAY_DEVICE", "RBLN_RAY_EMULATED_DEVICES", "RBLN_RAY_CACHE")
+FORWARDED: tuple[str, ...] = (
+    "RBLN_RAY_DEVICE",
+    "RBLN_RAY_EMULATED_DEVICES",
+    "RBLN_RAY_CACHE",
+    "RBLN_RAY_REPLICA",
+)
 
 
 class EnvError(ValueError):

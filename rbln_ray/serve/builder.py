@@ -19,7 +19,6 @@ from rbln_ray.compile.artifact import CompiledArtifact, is_compiled_dir
 from rbln_ray.serve.capacity import ReplicaShape, wait_placeable
 from rbln_ray.serve.config import DEMO_MODEL, AppConfig, ModelDeploymentConfig, load_config
 from rbln_ray.serve.ingress import OpenAIIngress, app
-from rbln_ray.serve.metrics import MetricsHub
 from rbln_ray.serve.naming import server_deployment_name
 from rbln_ray.serve.server import LLMServer
 
@@ -89,9 +88,7 @@ def server_bundles(cfg: ModelDeploymentConfig) -> list[dict[str, float]]:
     return [{"CPU": 1}] + [{"RBLN": devices, "CPU": 1} for _ in range(workers)]
 
 
-def build_server(
-    cfg: ModelDeploymentConfig, metrics_hub: Application, routing: str = "load_aware"
-) -> Application:
+def build_server(cfg: ModelDeploymentConfig, routing: str = "load_aware") -> Application:
     options: dict[str, Any] = {
         "name": server_deployment_name(cfg.name),
         "placement_group_bundles": server_bundles(cfg),
@@ -111,7 +108,7 @@ def build_server(
         options["autoscaling_config"] = cfg.autoscaling_config
     else:
         options["num_replicas"] = cfg.num_replicas
-    return serve.deployment(LLMServer).options(**options).bind(cfg.model_dump(), metrics_hub)
+    return serve.deployment(LLMServer).options(**options).bind(cfg.model_dump())
 
 
 def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
@@ -127,18 +124,7 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
                 for m in config.models
             ]
         )  # fmt: skip
-    hub = (
-        serve.deployment(MetricsHub)
-        .options(
-            name="MetricsHub",
-            num_replicas=1,
-            ray_actor_options={"num_cpus": 0},
-            # Every replica pushes every 2 s: an access-log line per push floods the log.
-            logging_config={"enable_access_log": False},
-        )
-        .bind()
-    )
-    servers = {m.name: build_server(m, hub, config.routing) for m in config.models}
+    servers = {m.name: build_server(m, config.routing) for m in config.models}
     ingress = serve.deployment(serve.ingress(app)(OpenAIIngress)).options(
         name=INGRESS_NAME,
         num_replicas=config.ingress.num_replicas,
@@ -146,4 +132,4 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
         ray_actor_options={"num_cpus": 0},
     )
     lens = {m.name: compiled_max_seq_len(m) for m in config.models}
-    return ingress.bind(servers, config.resolved_api_key(), hub, config.limits.model_dump(), lens)
+    return ingress.bind(servers, config.resolved_api_key(), config.limits.model_dump(), lens)

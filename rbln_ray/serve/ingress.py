@@ -8,7 +8,6 @@ A client that disconnects cancels the handle call, which aborts the request in t
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -104,7 +103,6 @@ class OpenAIIngress:
         self,
         servers: dict[str, Any],
         api_key: str | None,
-        metrics_hub: Any,
         limits: dict[str, Any] | None = None,
         max_model_lens: dict[str, int | None] | None = None,
     ) -> None:
@@ -112,32 +110,14 @@ class OpenAIIngress:
 
         from rbln_ray.serve.config import RequestLimits
         from rbln_ray.serve.replica_bind import bind_replica_grpc_to_loopback
-        from rbln_ray.serve.request_metrics import declare_models
 
         bind_replica_grpc_to_loopback()
         self.limits = RequestLimits.model_validate(limits or {})
         self.servers = servers
         self.max_model_lens = dict(max_model_lens or {})
-        self.metrics_hub = metrics_hub
         self.api_key = api_key
-        context = serve.get_replica_context()
-        self.app_name = context.app_name
-        self.replica = context.replica_id.unique_id
-        declare_models(servers)
+        self.app_name = serve.get_replica_context().app_name
         warm_request_path()
-        self._tasks = [asyncio.create_task(self._push_metrics())] if metrics_hub else []
-
-    async def _push_metrics(self) -> None:
-        """Feed this ingress's request counters to the MetricsHub until shutdown."""
-        from rbln_ray.serve.metrics import PUSH_PERIOD_S
-        from rbln_ray.serve.request_metrics import exposition
-
-        while True:
-            try:
-                await self.metrics_hub.push.remote(f"ingress/{self.replica}", exposition())
-            except Exception:  # noqa: BLE001 - metrics must never take the ingress down
-                logger.debug("ingress metrics push failed", exc_info=True)
-            await asyncio.sleep(PUSH_PERIOD_S)
 
     # ---------------------------------------------------------------- helpers
     def _unauthorized(self, request: Request) -> JSONResponse | None:
@@ -276,12 +256,6 @@ class OpenAIIngress:
         for handle in self.servers.values():
             data.extend((await handle.models.remote())["data"])
         return JSONResponse({"object": "list", "data": data})
-
-    @app.get("/metrics")
-    async def metrics(self) -> Response:
-        """Prometheus text: vLLM engine metrics and RBLN device counters, per replica."""
-        text = await self.metrics_hub.render.remote()
-        return Response(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/health")
     async def health(self) -> Response:

@@ -33,6 +33,8 @@ import sys
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+# Ray's metrics export of the embedded default (Ray's documented `ray start` example port).
+METRICS_EXPORT_PORT = 8080
 SINGLE_HOST_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
@@ -53,8 +55,12 @@ def prepare_loopback() -> None:
     os.environ[SINGLE_HOST_ENV] = "0"
 
 
-def start_loopback_ray(num_cpus: int, resources: dict[str, float] | None) -> None:
-    """Start a new local Ray instance whose every listening socket is on 127.0.0.1."""
+def start_loopback_ray(
+    num_cpus: int, resources: dict[str, float] | None, metrics_port: int | None = None
+) -> None:
+    """Start a new local Ray instance whose every listening socket is on 127.0.0.1; its
+    metrics export (Prometheus text of every process's Ray metrics: vLLM's engine metrics,
+    rbln-ray's device counters) on ``metrics_port`` (None: a free port Ray picks)."""
     prepare_loopback()
     import ray
 
@@ -64,6 +70,7 @@ def start_loopback_ray(num_cpus: int, resources: dict[str, float] | None) -> Non
         resources=resources,
         _node_ip_address=LOOPBACK,
         dashboard_host=LOOPBACK,
+        _metrics_export_port=metrics_port,
     )
     node_ip = ray.util.get_node_ip_address()
     if node_ip != LOOPBACK:  # the checks above make this unreachable; never serve exposed

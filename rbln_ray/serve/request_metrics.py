@@ -1,44 +1,34 @@
-"""The ingress's own request counters: ``rbln_request_retries_total``.
+"""The ingress's own request counter, ``rbln_request_retries`` (Prometheus:
+``ray_rbln_request_retries_total``), through Ray's metrics pipeline.
 
-Why a module of its own: the counters are the ingress's (which request it retried, and why),
-not an engine's, and the way they reach Prometheus is about to change (issue 21 moves
-rbln-ray's metrics onto Ray's metrics pipeline). Today the ingress pushes
-:func:`exposition` to the app's ``MetricsHub`` like every server replica does, and
-``/metrics`` shows it labelled with the ingress replica.
+Why a module of its own: the counter is the ingress's (which request it retried, and why), not
+an engine's. Ray's metrics agent on the ingress replica's node exports it with every other
+Ray metric; nothing of rbln-ray's moves it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from functools import cache
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
-
-# Why a retry happened (the label values of ``reason``).
+# Why a retry happened (the values of the ``reason`` tag).
 REPLICA_DIED = "replica_died"  # the replica's actor died (killed, crashed, node lost)
 ENGINE_DIED = "engine_died"  # the replica lived, its engine did not (e.g. a worker died)
 REASONS = (REPLICA_DIED, ENGINE_DIED)
 
-# Not prometheus_client's default registry: in a replica that one holds vLLM's metrics.
-REGISTRY = CollectorRegistry()
-RETRIES = Counter(
-    "rbln_request_retries",
-    "Requests retried once on another replica because theirs died before the response began",
-    ["model", "reason"],
-    registry=REGISTRY,
-)
 
+@cache
+def _retries() -> Any:
+    # Created on first use, inside the ingress replica (a Ray actor), where it is exported.
+    from ray.util.metrics import Counter
 
-def declare_models(models: Iterable[str]) -> None:
-    """Create every series at 0, so a scrape shows the counter before the first retry."""
-    for model in models:
-        for reason in REASONS:
-            RETRIES.labels(model=model, reason=reason)
+    return Counter(
+        "rbln_request_retries",
+        description="Requests retried once on another replica because theirs died before "
+        "the response began",
+        tag_keys=("model", "reason"),
+    )
 
 
 def record_retry(model: str, reason: str) -> None:
-    RETRIES.labels(model=model, reason=reason).inc()
-
-
-def exposition() -> str:
-    """Prometheus text of this process's request counters."""
-    return generate_latest(REGISTRY).decode()
+    _retries().inc(1, tags={"model": model, "reason": reason})

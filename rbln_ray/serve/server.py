@@ -90,13 +90,15 @@ class LLMServer:
     of sending it more requests until the next health check.
     """
 
-    async def __init__(self, cfg: dict[str, Any], metrics_hub: Any = None) -> None:
+    async def __init__(self, cfg: dict[str, Any]) -> None:
         import ray
+        from ray import serve
         from starlette.datastructures import State
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
         from rbln_ray.common.logging_setup import apply_process_defaults, setup_logging
         from rbln_ray.emulator import ensure_runtime
@@ -110,6 +112,9 @@ class LLMServer:
         ensure_runtime()
         self.cfg = ModelDeploymentConfig.model_validate(cfg)
         self._dying: asyncio.Task | None = None
+        # The replica tag of this engine's device metrics: the engine core process inherits
+        # it, the Ray executor forwards it to the worker actors (envs.FORWARDED).
+        os.environ["RBLN_RAY_REPLICA"] = serve.get_replica_context().replica_id.unique_id
         args = engine_namespace(self.cfg, resolve_model_path(self.cfg.model))
         engine_args = AsyncEngineArgs.from_cli_args(args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
@@ -119,6 +124,9 @@ class LLMServer:
             vllm_config=vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,
             disable_log_stats=engine_args.disable_log_stats,
+            # vLLM's engine metrics through Ray's metrics pipeline (Ray's metrics export on
+            # this node), tagged with this replica, instead of this process's own registry.
+            stat_loggers=[RayPrometheusStatLogger],
         )
         self.state = State()
         tasks = await self.engine.get_supported_tasks()
@@ -126,34 +134,7 @@ class LLMServer:
         if self.cfg.warm_up:
             sizes = compiled_artifact(vllm_config).decoder_batch_sizes
             await warm_up(self.state, self.engine, self.cfg.name, sizes)
-        self._metrics_task = (
-            asyncio.create_task(self._push_metrics(metrics_hub)) if metrics_hub else None
-        )
         logger.info("model %s ready in replica pid %d", self.cfg.name, os.getpid())
-
-    async def metrics_text(self) -> str:
-        """This replica's vLLM metrics (Prometheus text) plus its RBLN workers' counters."""
-        import prometheus_client
-
-        from rbln_ray.serve.metrics import device_metrics_text
-
-        engine = await self.engine_stats()
-        vllm_text = prometheus_client.generate_latest().decode()
-        return vllm_text + device_metrics_text(self.cfg.name, engine["steps"], engine["workers"])
-
-    async def _push_metrics(self, hub: Any) -> None:
-        """Feed the app's MetricsHub (see :mod:`rbln_ray.serve.metrics`) until shutdown."""
-        from ray import serve
-
-        from rbln_ray.serve.metrics import PUSH_PERIOD_S
-
-        replica = serve.get_replica_context().replica_id.unique_id
-        while True:
-            try:
-                await hub.push.remote(f"{self.cfg.name}/{replica}", await self.metrics_text())
-            except Exception:  # noqa: BLE001 - metrics must never take the replica down
-                logger.debug("metrics push failed", exc_info=True)
-            await asyncio.sleep(PUSH_PERIOD_S)
 
     async def _serve(self, create: Any, request: Any) -> AsyncIterator[Any]:
         """Run a vLLM serving call and relay its result (see module docstring).

@@ -20,6 +20,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from rbln_ray.common import envs
 from rbln_ray.compile.artifact import CompiledArtifact
 from rbln_ray.emulator import is_emulated
+from rbln_ray.vllm_plugin.device_metrics import DeviceMetrics
 from rbln_ray.vllm_plugin.loader import load_compiled_model
 from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner
 from rbln_ray.vllm_plugin.platform import block_layout, compiled_artifact
@@ -34,6 +35,7 @@ class RBLNWorker(WorkerBase):
 
     artifact: CompiledArtifact
     model_runner: RBLNModelRunner
+    metrics: DeviceMetrics | None = None  # in a Ray actor: its devices' Ray metrics
 
     def init_device(self) -> None:
         self.device = torch.device("cpu")
@@ -51,6 +53,9 @@ class RBLNWorker(WorkerBase):
             self.rank,
             self.device_ids,
             os.environ.get("RBLN_DEVICES"),
+        )
+        self.metrics = DeviceMetrics.for_this_worker(
+            self.vllm_config.model_config.served_model_name, self.artifact.batch_size
         )
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
@@ -85,10 +90,16 @@ class RBLNWorker(WorkerBase):
         return ("generate",)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.model_runner.execute_model(scheduler_output)
+        output = self.model_runner.execute_model(scheduler_output)
+        self._observe_step()
+        return output
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         return self.model_runner.sample_tokens(grammar_output)
+
+    def _observe_step(self) -> None:
+        if self.metrics is not None:
+            self.metrics.observe(self.model_runner.stats, len(self.model_runner.requests))
 
     def execute_stage(
         self,
@@ -100,6 +111,7 @@ class RBLNWorker(WorkerBase):
         what the engine's ``execute_model`` + ``sample_tokens`` pair does on the last (or
         only) rank; on an earlier pipeline rank, the hidden states for the next one."""
         output = self.model_runner.execute_model(scheduler_output, hidden)
+        self._observe_step()
         if not self.model_runner.last_stage or output is not None:
             return output
         return self.model_runner.sample_tokens(grammar_output)

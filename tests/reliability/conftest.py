@@ -5,9 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import compiled_model
 from tests.serve.conftest import RunningApp, free_port, start_app, stop_app
@@ -28,21 +26,6 @@ def tiny_app() -> Iterator[RunningApp]:
         yield app
     finally:
         stop_app()
-
-
-def metric_sum(app: RunningApp, family: str, **labels: str) -> float:
-    """Sum of a metric family's samples (optionally filtered by labels) from /metrics."""
-    text = httpx.get(f"{app.url}/metrics", timeout=30).text
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        if fam.name != family:
-            continue
-        for sample in fam.samples:
-            if sample.name.endswith("_created"):
-                continue
-            if all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.5, what: str = "") -> float:

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.reliability.conftest import MODEL, metric_sum, wait_until
+from tests.ray_metrics import metric_sum
+from tests.reliability.conftest import MODEL, wait_until
 from tests.serve.conftest import RunningApp
 
 pytestmark = pytest.mark.slow
@@ -43,7 +44,7 @@ async def stream_then_leave(url: str, i: int) -> int:
 
 
 def test_32_disconnects_abort_their_requests(tiny_app: RunningApp) -> None:
-    tokens_before = metric_sum(tiny_app, "vllm:generation_tokens", model_name=MODEL)
+    tokens_before = metric_sum("ray_vllm_generation_tokens_total", model_name=MODEL)
 
     async def run() -> list[int]:
         return await asyncio.gather(*(stream_then_leave(tiny_app.url, i) for i in range(32)))
@@ -52,13 +53,13 @@ def test_32_disconnects_abort_their_requests(tiny_app: RunningApp) -> None:
 
     def drained() -> bool:
         return (
-            metric_sum(tiny_app, "rbln_slots_in_use", model=MODEL) == 0
-            and metric_sum(tiny_app, "vllm:num_requests_running", model_name=MODEL) == 0
-            and metric_sum(tiny_app, "vllm:num_requests_waiting", model_name=MODEL) == 0
+            metric_sum("ray_rbln_slots_in_use", model=MODEL) == 0
+            and metric_sum("ray_vllm_num_requests_running", model_name=MODEL) == 0
+            and metric_sum("ray_vllm_num_requests_waiting", model_name=MODEL) == 0
         )
 
     wait_until(drained, timeout=60, what="slots in use back to 0")
-    generated = metric_sum(tiny_app, "vllm:generation_tokens", model_name=MODEL) - tokens_before
+    generated = metric_sum("ray_vllm_generation_tokens_total", model_name=MODEL) - tokens_before
     # Run to completion they would have produced 32 x 400 tokens; aborted, a small fraction.
     assert generated < 0.25 * 32 * MAX_TOKENS, generated
 

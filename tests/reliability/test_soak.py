@@ -14,7 +14,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.reliability.conftest import MODEL, metric_sum, replica_stats, wait_until
+from tests.ray_metrics import metric_sum
+from tests.reliability.conftest import MODEL, replica_stats, wait_until
 from tests.serve.conftest import RunningApp
 
 pytestmark = pytest.mark.slow
@@ -59,8 +60,8 @@ def test_soak_at_saturation(tiny_app: RunningApp) -> None:
     asyncio.run(closed_loop(tiny_app, time.monotonic() + SOAK_SECONDS, results))
     wait_until(
         lambda: (
-            metric_sum(tiny_app, "rbln_slots_in_use", model=MODEL) == 0
-            and metric_sum(tiny_app, "vllm:num_requests_running", model_name=MODEL) == 0
+            metric_sum("ray_rbln_slots_in_use", model=MODEL) == 0
+            and metric_sum("ray_vllm_num_requests_running", model_name=MODEL) == 0
         ),
         timeout=60,
         what="drain",

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import free_port
+from tests.ray_metrics import FAST_EXPORT
 
 API_KEY = "test-secret"
 
@@ -29,7 +30,13 @@ def start_app(config: dict, port: int, model_dir: Path) -> RunningApp:
     from rbln_ray.serve import APP_NAME, build_app, load_config
 
     os.environ["RBLN_RAY_DEVICE"] = "emulated"
-    ray.init(address="local", num_cpus=8, resources={"RBLN": 4}, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=8,
+        resources={"RBLN": 4},
+        log_to_driver=False,
+        _system_config=FAST_EXPORT,
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app_config = load_config(config)
     serve.run(build_app(app_config), name=APP_NAME, route_prefix="/")

@@ -1,4 +1,5 @@
-"""`rbln-ray serve` with no arguments: the embedded default, as a newcomer starts it.
+"""`rbln-ray serve` with no arguments: the embedded default, as a newcomer starts it, and a
+real Prometheus scraping its metrics export (issue 21).
 
 One process for the module (it takes a minute or two to start on 2 cores); the tests run in
 file order: the cold-start check needs the first requests after ``ready``, and the last test
@@ -7,8 +8,11 @@ stops it with Ctrl-C.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ipaddress
+import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -22,6 +26,7 @@ import psutil
 import pytest
 
 from tests.helpers import ROOT
+from tests.prometheus_server import Prometheus, embedded_job, prometheus_server
 from tests.serve.conftest import free_port
 
 pytestmark = pytest.mark.slow
@@ -33,6 +38,7 @@ START_TIMEOUT_S = 600
 class ServeProcess:
     proc: subprocess.Popen
     port: int
+    metrics_port: int  # Ray's metrics export (``--metrics-port``)
     log_path: Path
 
     @property
@@ -42,17 +48,24 @@ class ServeProcess:
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {k: v for k, v in os.environ.items() if k not in ("RBLN_RAY_DEVICE", "RAY_ADDRESS")}
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            [str(ROOT / ".venv" / "bin" / "rbln-ray"), "serve", "--port", str(port)],
+            [
+                str(ROOT / ".venv" / "bin" / "rbln-ray"),
+                "serve",
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(metrics_port),
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
         )
-    running = ServeProcess(proc, port, log_path)
+    running = ServeProcess(proc, port, metrics_port, log_path)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while "rbln-ray is ready" not in running.log:
@@ -150,14 +163,97 @@ def test_every_socket_of_the_process_tree_is_on_loopback(embedded: ServeProcess)
     assert not exposed, exposed
 
 
+@pytest.fixture(scope="module")
+def prometheus(embedded: ServeProcess, tmp_path_factory: pytest.TempPathFactory):
+    """Prometheus scraping the embedded default's metrics export every second, with the
+    shipped scrape config's job (cluster_configs/prometheus.yml) aimed at its port."""
+    config = embedded_job(f"127.0.0.1:{embedded.metrics_port}", interval_s=1)
+    with prometheus_server(config, tmp_path_factory.mktemp("prometheus")) as server:
+        yield server
+
+
+def poll(what: str, get, done, timeout_s: float = 90):
+    """``get()`` until ``done(value)``; the last value (fails after ``timeout_s``). Ray exports
+    every 10 s and Prometheus scrapes every second, so a value can lag ~11 s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = get()
+        if done(value):
+            return value
+        assert time.monotonic() < deadline, f"{what}: last seen {value}"
+        time.sleep(1)  # polling Prometheus
+
+
+def total(server: Prometheus, expr: str) -> float:
+    return sum(float(r["value"][1]) for r in server.query(expr))
+
+
+def test_prometheus_sees_engine_and_device_series_move(
+    embedded: ServeProcess, prometheus: Prometheus
+) -> None:
+    """Acceptance 1 (issue 21): through a real Prometheus, vLLM's request counter counts the
+    requests sent, and ``rbln_slots_in_use`` of each replica and device rises under load and
+    returns to 0. Load: 4 clients in a closed loop for 25 s (over two of Ray's 10 s exports),
+    each prompt sharing a 300-token prefix so the prefix cache hits too."""
+    import openai
+
+    done = 'ray_vllm_request_success_total{model_name="demo"}'
+    poll("the first scrape of vLLM's counter", lambda: prometheus.query(done), bool)
+    settled = poll("vLLM's counter settling", lambda: total(prometheus, done), lambda v: v > 0)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{embedded.port}/v1", api_key="none")
+    prefix = "import os\n" * 150
+    stop_at = time.monotonic() + 25
+
+    def closed_loop(i: int) -> int:
+        sent = 0
+        while time.monotonic() < stop_at:
+            client.completions.create(model="demo", prompt=f"{prefix}# client {i}\n", max_tokens=48)
+            sent += 1
+        return sent
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        sent = sum(pool.map(closed_loop, range(4)))
+    assert sent >= 8, sent
+    poll("vLLM's counter", lambda: total(prometheus, done), lambda v: v >= settled + sent)
+
+    slots = 'ray_rbln_slots_in_use{model="demo"}'
+    series = prometheus.query(slots)
+    keys = {(r["metric"]["replica"], r["metric"]["devices"], r["metric"]["node"]) for r in series}
+    replicas = {k[0] for k in keys}
+    assert len(replicas) == 2 and len(keys) == 2 and all(all(k) for k in keys), keys
+    busy = prometheus.query(f"max_over_time({slots}[2m])")
+    assert len(busy) == 2 and all(float(r["value"][1]) >= 1 for r in busy), busy
+    poll("slots back to 0", lambda: total(prometheus, slots), lambda v: v == 0)
+    steps = total(prometheus, 'ray_rbln_decode_steps_total{model="demo"}')
+    assert steps >= 47 * sent / 4, (steps, sent)  # >= 47 decode steps per batch of 4
+    hits = total(prometheus, 'ray_vllm_prefix_cache_hits_total{model_name="demo"}')
+    assert hits > 0, "the shared prefix never hit the prefix cache"
+
+
+def test_dashboard_uses_only_series_prometheus_has(
+    embedded: ServeProcess, prometheus: Prometheus
+) -> None:
+    """Acceptance 2 (issue 21): every metric an expression of the shipped Grafana dashboard
+    (panels and template variables) reads exists in the Prometheus scraping the app."""
+    dashboard = json.loads((ROOT / "docs" / "grafana" / "rbln-ray-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    used = {m for e in exprs for m in re.findall(r"\b(ray_[A-Za-z0-9_]+)", e)}
+    assert len(used) >= 10, used
+    have = prometheus.names()
+    assert not used - have, f"dashboard series Prometheus does not have: {used - have}"
+    for expr in exprs[:-1]:  # each panel expression evaluates (template queries are not PromQL)
+        prometheus.query(expr)
+
+
 def test_log_is_quiet_at_info(embedded: ServeProcess) -> None:
-    """No line per metrics push or health check; optimum's rebel-compiler ImportWarning and
-    the tokenizers fork warning are gone (issue 18)."""
-    push_period_s = 2.0
+    """No line per health check or metrics export; optimum's rebel-compiler ImportWarning
+    and the tokenizers fork warning are gone (issues 18, 21)."""
+    period_s = 2.0
     before = embedded.log.count("\n")
-    deadline = time.monotonic() + 5 * push_period_s
-    while time.monotonic() < deadline:  # five push periods of an idle app
-        time.sleep(push_period_s)  # waiting for log lines that must not appear
+    deadline = time.monotonic() + 5 * period_s
+    while time.monotonic() < deadline:  # ten seconds of an idle app
+        time.sleep(period_s)  # waiting for log lines that must not appear
     idle = embedded.log.splitlines()[before:]
     text = embedded.log
     assert "CALL push" not in text and "check_health" not in text

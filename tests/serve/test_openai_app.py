@@ -206,8 +206,10 @@ def test_client_handles_stream_from_another_process(demo_app: RunningApp) -> Non
     assert result["finish"] == "length" and result["chat"]
 
 
-def test_metrics_expose_engine_and_device_series_per_replica(demo_app: RunningApp) -> None:
-    from prometheus_client.parser import text_string_to_metric_families
+def test_ray_metrics_carry_engine_and_device_series_per_replica(demo_app: RunningApp) -> None:
+    """vLLM's engine metrics (RayPrometheusStatLogger) and rbln-ray's device counters reach
+    Ray's metrics export, tagged per replica and per device group (issue 21)."""
+    from tests.ray_metrics import samples
 
     body = {"model": "demo", "prompt": "x = ", "max_tokens": 4}
     assert (
@@ -218,22 +220,22 @@ def test_metrics_expose_engine_and_device_series_per_replica(demo_app: RunningAp
     )
     deadline = time.monotonic() + 60
     while True:
-        text = httpx.get(f"{demo_app.url}/metrics", timeout=30).text
-        families = {f.name: f for f in text_string_to_metric_families(text)}
-        slots = families.get("rbln_batch_size")
-        replicas = {s.labels["replica"] for s in (slots.samples if slots else [])}
-        steps = families.get("rbln_decode_steps")  # the parser drops the _total suffix
+        sizes = [s for s in samples("ray_rbln_batch_size") if s.labels["model"] == "demo"]
+        replicas = {s.labels["replica"] for s in sizes}
         decoded = sum(
-            s.value for s in (steps.samples if steps else []) if s.labels["model"] == "demo"
+            s.value for s in samples("ray_rbln_decode_steps_total") if s.labels["model"] == "demo"
         )
-        if len([r for r in replicas if r.startswith("demo/")]) == 2 and decoded >= 3:
+        if len(replicas) == 2 and decoded >= 3:
             break
         assert time.monotonic() < deadline, f"replicas {replicas}, demo decode steps {decoded}"
-        time.sleep(0.5)  # polling interval: replicas push every few seconds
-    assert "vllm:num_requests_running" in families
-    assert "vllm:generation_tokens" in families
-    for sample in families["rbln_batch_size"].samples:
-        assert sample.value == 4 and sample.labels["devices"]
+        time.sleep(0.5)  # polling Ray's export (every second in tests)
+    for sample in sizes:
+        assert sample.value == 4 and sample.labels["devices"] and sample.labels["node"]
+    running = [
+        s for s in samples("ray_vllm_num_requests_running") if s.labels["model_name"] == "demo"
+    ]
+    assert {s.labels["ReplicaId"] for s in running} == replicas, (running, replicas)
+    assert samples("ray_vllm_generation_tokens_total")
 
 
 def test_health_reflects_a_dead_replica(demo_app: RunningApp) -> None:

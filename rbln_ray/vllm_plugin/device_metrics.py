@@ -1,0 +1,90 @@
+"""RBLN device counters of one worker, recorded through Ray's metrics pipeline.
+
+Why here, in the worker: the worker is the process that drives its devices and counts what
+ran (:class:`~rbln_ray.vllm_plugin.model_runner.StepStats`). Inside a Ray actor (the Ray
+executor's workers, hence every Serve replica's), ``ray.util.metrics`` hands each value to
+the actor's core worker, which Ray's metrics agent on that node exports for Prometheus as
+``ray_<name>``: nothing of rbln-ray's own moves metrics between processes. Outside Ray (vLLM's
+in-process or multiprocessing executors) there is no exporter, and nothing is recorded.
+
+The worker calls :meth:`DeviceMetrics.observe` after each step: counters advance by what the
+step added, gauges take their current value. Tags say whose devices: the served model, the
+Serve replica (``RBLN_RAY_REPLICA``, set by the replica and forwarded to its workers), the
+node and the devices (``RBLN_DEVICES``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rbln_ray.common import envs
+
+TAG_KEYS = ("model", "replica", "node", "devices")
+
+# Exported name (``ray_`` + name + ``_total`` for counters) -> (StepStats field, help).
+COUNTERS = {
+    "rbln_prefill_steps": ("prefill_steps", "Prefill calls on the device"),
+    "rbln_prefill_tokens": ("prefill_tokens", "Prompt tokens the prefill calls computed"),
+    "rbln_prefix_reused_tokens": ("prefix_reused_tokens", "Prompt tokens served from cached KV"),
+    "rbln_kv_copies": ("kv_copies", "On-device KV block copies for prefix-cache hits"),
+    "rbln_decode_steps": ("decode_steps", "Decode calls on the device"),
+    "rbln_decode_rows": ("decode_rows", "Live rows in decode calls"),
+    "rbln_padded_rows": ("padded_rows", "Padding rows in decode calls"),
+    "rbln_device_seconds": ("device_seconds", "Seconds inside rebel.Runtime calls"),
+}
+GAUGES = {
+    "rbln_slots_in_use": "Requests holding a compiled batch slot",
+    "rbln_batch_size": "Compiled batch size (slots)",
+}
+
+
+def _inside_ray_worker() -> bool:
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+
+
+class DeviceMetrics:
+    """The Ray metrics of one worker's devices (see module docstring)."""
+
+    def __init__(self, model: str, batch_size: int, tags: dict[str, str]) -> None:
+        from ray.util.metrics import Counter, Gauge
+
+        self.tags = {"model": model, **tags}
+        self._counters = {
+            name: Counter(name, description=doc, tag_keys=TAG_KEYS)
+            for name, (_, doc) in COUNTERS.items()
+        }
+        self._gauges = {
+            name: Gauge(name, description=doc, tag_keys=TAG_KEYS) for name, doc in GAUGES.items()
+        }
+        self._last: dict[str, float] = {}
+        self._gauges["rbln_batch_size"].set(batch_size, tags=self.tags)
+
+    @classmethod
+    def for_this_worker(cls, model: str, batch_size: int) -> DeviceMetrics | None:
+        """The worker's metrics when it runs in a Ray actor; None elsewhere (no exporter)."""
+        if not _inside_ray_worker():
+            return None
+        import ray
+
+        tags = {
+            "replica": envs.get("RBLN_RAY_REPLICA") or "",
+            "node": envs.get("RBLN_RAY_NODE_ID") or ray.get_runtime_context().get_node_id(),
+            "devices": os.environ.get("RBLN_DEVICES", ""),
+        }
+        return cls(model, batch_size, tags)
+
+    def observe(self, stats: Any, slots_in_use: int) -> None:
+        """Record one step: counters by what ``stats`` (a StepStats) gained since the last
+        call, the slots gauge at its current value."""
+        for name, (field, _) in COUNTERS.items():
+            value = getattr(stats, field)
+            delta = value - self._last.get(field, 0)
+            if delta > 0:
+                self._counters[name].inc(delta, tags=self.tags)
+                self._last[field] = value
+        self._gauges["rbln_slots_in_use"].set(slots_in_use, tags=self.tags)

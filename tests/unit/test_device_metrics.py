@@ -1,0 +1,59 @@
+"""The worker's device metrics: deltas per step into Ray's metrics, nothing outside Ray."""
+
+from __future__ import annotations
+
+from rbln_ray.vllm_plugin import device_metrics
+from rbln_ray.vllm_plugin.device_metrics import DeviceMetrics
+from rbln_ray.vllm_plugin.model_runner import StepStats
+
+
+class Recorded:
+    """Stands for a ray.util.metrics Counter/Gauge: keeps what was recorded, by tags."""
+
+    log: list[tuple[str, str, float, dict]] = []
+
+    def __init__(self, name: str, description: str = "", tag_keys: tuple = ()) -> None:
+        self.name, self.tag_keys = name, tag_keys
+
+    def inc(self, value: float, tags: dict) -> None:
+        assert value > 0 and set(tags) == set(self.tag_keys)  # Ray refuses anything else
+        Recorded.log.append(("inc", self.name, value, tags))
+
+    def set(self, value: float, tags: dict) -> None:
+        assert set(tags) == set(self.tag_keys)
+        Recorded.log.append(("set", self.name, value, tags))
+
+
+def test_outside_a_ray_worker_nothing_is_recorded():
+    assert DeviceMetrics.for_this_worker("m", 4) is None
+
+
+def test_counters_advance_by_each_steps_gain_and_gauges_take_the_value(monkeypatch):
+    import ray.util.metrics
+
+    monkeypatch.setattr(ray.util.metrics, "Counter", Recorded)
+    monkeypatch.setattr(ray.util.metrics, "Gauge", Recorded)
+    Recorded.log = []
+    tags = {"replica": "r1", "node": "n1", "devices": "0"}
+    metrics = DeviceMetrics("demo", 4, tags)
+    assert Recorded.log == [("set", "rbln_batch_size", 4, {"model": "demo", **tags})]
+    stats = StepStats(prefill_steps=1, prefill_tokens=100, device_seconds=0.5)
+    metrics.observe(stats, slots_in_use=1)
+    stats.decode_steps, stats.decode_rows, stats.padded_rows = 1, 1, 3
+    stats.device_seconds = 0.75
+    metrics.observe(stats, slots_in_use=1)
+    metrics.observe(stats, slots_in_use=0)  # an empty step: no counter moves
+    incs = [(n, v) for kind, n, v, _ in Recorded.log if kind == "inc"]
+    assert incs == [
+        ("rbln_prefill_steps", 1),
+        ("rbln_prefill_tokens", 100),
+        ("rbln_device_seconds", 0.5),
+        ("rbln_decode_steps", 1),
+        ("rbln_decode_rows", 1),
+        ("rbln_padded_rows", 3),
+        ("rbln_device_seconds", 0.25),
+    ]
+    slots = [v for kind, n, v, _ in Recorded.log if n == "rbln_slots_in_use"]
+    assert slots == [1, 1, 0]
+    assert all(t["model"] == "demo" and t["replica"] == "r1" for *_, t in Recorded.log)
+    assert set(device_metrics.TAG_KEYS) == {"model", "replica", "node", "devices"}
