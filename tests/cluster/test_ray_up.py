@@ -221,8 +221,9 @@ def test_workers_without_rbln_fail_serve_deploy_within_placement_timeout(hosts: 
     assert "cluster has 0 RBLN in total" in message, message
     for ip in hosts.ips:
         assert f"({ip}): 0 RBLN" in message, message
-    # The failure arrives after the configured wait plus the start-up of Serve's four build
-    # attempts (it retries a failed build 3 times; each imports vLLM: ~10 s here).
-    assert timeout_s <= waited <= timeout_s + 90, waited
+    # The failure is final at the first build attempt (a RayServeException, which Serve does
+    # not retry): the configured wait plus that attempt's start-up (a fresh worker importing
+    # the app's builder, vLLM included: 10-20 s on 2 cores) and `serve status` polling.
+    assert timeout_s <= waited <= timeout_s + 45, waited
     assert left == {}, left
     print(f"timings {cluster.timings}")
