@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from rbln_ray.vllm_plugin import device_metrics
-from rbln_ray.vllm_plugin.device_metrics import DeviceMetrics
-from rbln_ray.vllm_plugin.model_runner import StepStats
+# rbln_ray.vllm_plugin is imported inside the tests: importing vLLM at collection, before the
+# session's environment is set, would fix vLLM's platform for the whole process.
 
 
 class Recorded:
@@ -25,11 +24,17 @@ class Recorded:
 
 
 def test_outside_a_ray_worker_nothing_is_recorded():
+    from rbln_ray.vllm_plugin.device_metrics import DeviceMetrics
+
     assert DeviceMetrics.for_this_worker("m", 4) is None
 
 
 def test_counters_advance_by_each_steps_gain_and_gauges_take_the_value(monkeypatch):
     import ray.util.metrics
+
+    from rbln_ray.vllm_plugin import device_metrics
+    from rbln_ray.vllm_plugin.device_metrics import DeviceMetrics
+    from rbln_ray.vllm_plugin.model_runner import StepStats
 
     monkeypatch.setattr(ray.util.metrics, "Counter", Recorded)
     monkeypatch.setattr(ray.util.metrics, "Gauge", Recorded)
