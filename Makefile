@@ -58,15 +58,18 @@ ssh-test-tools:
 	       "sudo apt-get install openssh-server rsync"; \
 	fi
 
-# The Prometheus test (tests/serve/test_cli_serve.py) runs a real Prometheus server: Debian's
-# package, unpacked into .tools/ (`apt-get download` + `dpkg-deb -x`), never installed, so no
-# system service is started or configured. `apt-get update` only if the package lists lack it.
+# The Prometheus test (tests/serve/test_cli_serve.py) runs a real Prometheus server: the binary
+# of Debian's package, taken out of it into .tools/ (`apt-get download`, then only
+# ./usr/bin/prometheus from the package's files: its web assets are links into packages not
+# installed, which `ray up`'s file-mount hashing of this checkout cannot follow), never
+# installed, so no system service is started or configured. `apt-get update` only if the
+# package lists lack it.
 PROMETHEUS := .tools/prometheus/usr/bin/prometheus
 $(PROMETHEUS):
-	mkdir -p .tools/prometheus
+	rm -rf .tools/prometheus && mkdir -p .tools/prometheus
 	cd .tools && { apt-get download prometheus 2>/dev/null || \
 	  { apt-get update -qq && apt-get download prometheus; }; }
-	dpkg-deb -x .tools/prometheus_*.deb .tools/prometheus
+	dpkg-deb --fsys-tarfile .tools/prometheus_*.deb | tar -x -C .tools/prometheus ./usr/bin/prometheus
 	rm -f .tools/prometheus_*.deb
 	$(PROMETHEUS) --version | head -1
 

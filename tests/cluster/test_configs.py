@@ -111,12 +111,15 @@ def test_atom_and_emulated_configs_differ_only_where_hardware_needs_it():
         assert atom[key] == emu[key], key
     assert set(emu["setup_commands"]) <= set(atom["setup_commands"])  # ATOM adds the extra
     # Start commands: the same flags and variables, except these.
-    hardware = {
-        True: {"--num-cpus", "--resources", "--dashboard-agent-listen-port",  # one machine
-               "--object-store-memory"},
-        False: {"--num-cpus", "--resources", "--dashboard-agent-listen-port",
-                "--object-store-memory", "RBLN_RAY_EMULATED_DEVICES"},
-    }  # fmt: skip
+    # One machine: fixed agent and metrics-export ports would collide between its "hosts".
+    one_machine = {
+        "--num-cpus",
+        "--resources",
+        "--dashboard-agent-listen-port",
+        "--object-store-memory",
+        "--metrics-export-port",
+    }
+    hardware = {True: one_machine, False: one_machine | {"RBLN_RAY_EMULATED_DEVICES"}}
     for head, key in ((True, "head_start_ray_commands"), (False, "worker_start_ray_commands")):
         a, e = ray_start(atom[key], head), ray_start(emu[key], head)
         assert start_flags(a) ^ start_flags(e) <= hardware[head], start_flags(a) ^ start_flags(e)
