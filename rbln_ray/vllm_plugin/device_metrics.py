@@ -8,9 +8,11 @@ the actor's core worker, which Ray's metrics agent on that node exports for Prom
 in-process or multiprocessing executors) there is no exporter, and nothing is recorded.
 
 The worker calls :meth:`DeviceMetrics.observe` after each step: counters advance by what the
-step added, gauges take their current value. Tags say whose devices: the served model, the
-Serve replica (``RBLN_RAY_REPLICA``, set by the replica and forwarded to its workers), the
-node and the devices (``RBLN_DEVICES``).
+step added, gauges take their current value. Ray 2.60 drops a gauge series that is not set
+again within two export intervals (its metrics agent's gauge TTL; vLLM's own gauges share
+this), so the gauges are set at every step: an idle engine's gauges age out, its counters
+stay. Tags say whose devices: the served model, the Serve replica (``RBLN_RAY_REPLICA``, set
+by the replica and forwarded to its workers), the node and the devices (``RBLN_DEVICES``).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class DeviceMetrics:
             name: Gauge(name, description=doc, tag_keys=TAG_KEYS) for name, doc in GAUGES.items()
         }
         self._last: dict[str, float] = {}
-        self._gauges["rbln_batch_size"].set(batch_size, tags=self.tags)
+        self.batch_size = batch_size
 
     @classmethod
     def for_this_worker(cls, model: str, batch_size: int) -> DeviceMetrics | None:
@@ -80,7 +82,7 @@ class DeviceMetrics:
 
     def observe(self, stats: Any, slots_in_use: int) -> None:
         """Record one step: counters by what ``stats`` (a StepStats) gained since the last
-        call, the slots gauge at its current value."""
+        call, the gauges at their current values."""
         for name, (field, _) in COUNTERS.items():
             value = getattr(stats, field)
             delta = value - self._last.get(field, 0)
@@ -88,3 +90,4 @@ class DeviceMetrics:
                 self._counters[name].inc(delta, tags=self.tags)
                 self._last[field] = value
         self._gauges["rbln_slots_in_use"].set(slots_in_use, tags=self.tags)
+        self._gauges["rbln_batch_size"].set(self.batch_size, tags=self.tags)

@@ -15,6 +15,7 @@ if __name__ == "__main__":
     # profiling host memory that other tests' processes share.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
 
     max_tokens, prompts = int(sys.argv[1]), json.loads(sys.argv[2])
     result = {}
@@ -35,4 +36,7 @@ if __name__ == "__main__":
         result[model_dir] = [list(o.outputs[0].token_ids) for o in outs]
         del llm
         gc.collect()
+        # The next engine sets up its own parallel groups (an MoE model's include expert
+        # parallelism, which a dense model's do not).
+        cleanup_dist_env_and_memory()
     print("RESULT " + json.dumps(result))
