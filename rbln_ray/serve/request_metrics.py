@@ -14,7 +14,6 @@ from typing import Any
 # Why a retry happened (the values of the ``reason`` tag).
 REPLICA_DIED = "replica_died"  # the replica's actor died (killed, crashed, node lost)
 ENGINE_DIED = "engine_died"  # the replica lived, its engine did not (e.g. a worker died)
-REASONS = (REPLICA_DIED, ENGINE_DIED)
 
 
 @cache

@@ -225,7 +225,7 @@ class LLMServer:
         await self.engine.check_health()
 
     async def engine_stats(self) -> dict[str, Any]:
-        """Worker placement and step counters of this replica's engine (tests, /metrics)."""
+        """Worker placement and step counters of this replica's engine (tests, benchmarks)."""
         infos = await self.engine.collective_rpc("device_info")
         stats = await self.engine.collective_rpc("step_stats")
         import ray

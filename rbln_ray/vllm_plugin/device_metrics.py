@@ -42,10 +42,8 @@ GAUGES = {
 
 
 def _inside_ray_worker() -> bool:
-    try:
-        import ray
-    except ImportError:  # pragma: no cover - ray is a dependency
-        return False
+    import ray
+
     return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
 
 

@@ -124,7 +124,7 @@ class RBLNWorker(WorkerBase):
         )
 
     def step_stats(self) -> dict:
-        """Runner counters (collective_rpc target for tests, benchmarks and /metrics)."""
+        """Runner counters (collective_rpc target for tests and benchmarks)."""
         from dataclasses import asdict
 
         stats = asdict(self.model_runner.stats)
