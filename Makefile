@@ -8,6 +8,8 @@ ALIAS_STAMP := $(VENV)/.vllm-alias-installed
 # tests/peer compare against; separate because both plugins are named `rbln` in vLLM.
 PEER       := .venv-vllm-rbln
 PEER_STAMP := $(PEER)/.peer-installed
+# Debian's Prometheus binary for the metrics test (its rule, below, says why there).
+PROMETHEUS := $(BIN)/prometheus
 
 .PHONY: setup peer-env test test-fast lint demo clean ssh-test-tools
 
@@ -59,18 +61,18 @@ ssh-test-tools:
 	fi
 
 # The Prometheus test (tests/serve/test_cli_serve.py) runs a real Prometheus server: the binary
-# of Debian's package, taken out of it into .tools/ (`apt-get download`, then only
-# ./usr/bin/prometheus from the package's files: its web assets are links into packages not
-# installed, which `ray up`'s file-mount hashing of this checkout cannot follow), never
-# installed, so no system service is started or configured. `apt-get update` only if the
-# package lists lack it.
-PROMETHEUS := .tools/prometheus/usr/bin/prometheus
-$(PROMETHEUS):
-	rm -rf .tools/prometheus && mkdir -p .tools/prometheus
-	cd .tools && { apt-get download prometheus 2>/dev/null || \
-	  { apt-get update -qq && apt-get download prometheus; }; }
-	dpkg-deb --fsys-tarfile .tools/prometheus_*.deb | tar -x -C .tools/prometheus ./usr/bin/prometheus
-	rm -f .tools/prometheus_*.deb
+# of Debian's package, taken out of it into the venv's bin/ (`apt-get download` into a temp dir,
+# then only ./usr/bin/prometheus: its web assets are links into packages not installed), never
+# installed, so no system service is started or configured. In the venv because that is what
+# `make setup` owns and `make clean` removes (and what `ray up`'s rsync already skips).
+# `apt-get update` only if the package lists lack it. (Defined at the top: a rule's
+# prerequisites expand when make reads the rule, so `setup` must see it already set.)
+$(PROMETHEUS): | $(STAMP)
+	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	( cd "$$tmp" && { apt-get download prometheus 2>/dev/null || \
+	  { apt-get update -qq && apt-get download prometheus; }; } ); \
+	dpkg-deb --fsys-tarfile "$$tmp"/prometheus_*.deb | tar -x -O ./usr/bin/prometheus > "$$tmp/bin"; \
+	chmod 755 "$$tmp/bin" && mv "$$tmp/bin" $(PROMETHEUS)
 	$(PROMETHEUS) --version | head -1
 
 # Everything (what .ci/run calls): lint, the layer order, then every test tier, one test file
@@ -92,4 +94,4 @@ demo: setup
 	$(BIN)/rbln-ray serve
 
 clean:
-	rm -rf $(VENV) $(PEER) .tools build *.egg-info
+	rm -rf $(VENV) $(PEER) build *.egg-info

@@ -1,9 +1,10 @@
-"""A real Prometheus server (Debian's, unpacked into .tools/ by ``make setup``) for a test:
+"""A real Prometheus server (Debian's, unpacked into the venv by ``make setup``) for a test:
 its own config, data dir and loopback port; stopped by PID afterwards."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,7 +16,7 @@ import yaml
 
 from tests.helpers import ROOT, free_port
 
-BINARY = ROOT / ".tools" / "prometheus" / "usr" / "bin" / "prometheus"
+BINARY = Path(sys.executable).parent / "prometheus"  # `make setup` puts it in the venv
 SHIPPED_CONFIG = ROOT / "cluster_configs" / "prometheus.yml"
 START_TIMEOUT_S = 60
 

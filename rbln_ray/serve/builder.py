@@ -17,7 +17,13 @@ from ray.serve.config import RequestRouterConfig
 from rbln_ray.compile import CompileSettings
 from rbln_ray.compile.artifact import CompiledArtifact, is_compiled_dir
 from rbln_ray.serve.capacity import ReplicaShape, wait_placeable
-from rbln_ray.serve.config import DEMO_MODEL, AppConfig, ModelDeploymentConfig, load_config
+from rbln_ray.serve.config import (
+    DEMO_MODEL,
+    AppConfig,
+    IngressConfig,
+    ModelDeploymentConfig,
+    load_config,
+)
 from rbln_ray.serve.ingress import OpenAIIngress, app
 from rbln_ray.serve.naming import server_deployment_name
 from rbln_ray.serve.server import LLMServer
@@ -111,6 +117,17 @@ def build_server(cfg: ModelDeploymentConfig, routing: str = "load_aware") -> App
     return serve.deployment(LLMServer).options(**options).bind(cfg.model_dump())
 
 
+def ingress_options(cfg: IngressConfig) -> dict[str, Any]:
+    """Serve options of the ingress deployment (:class:`IngressConfig` says why each)."""
+    return {
+        "name": INGRESS_NAME,
+        "num_replicas": cfg.num_replicas,
+        "max_ongoing_requests": cfg.max_ongoing_requests,
+        "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
+        "ray_actor_options": {"num_cpus": 0},
+    }
+
+
 def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
     """Serve application builder: ``serve run rbln_ray.serve:build_app config=...``."""
     if isinstance(args, dict) and set(args) == {"config"}:  # serve run ... config=FILE
@@ -126,10 +143,7 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
         )  # fmt: skip
     servers = {m.name: build_server(m, config.routing) for m in config.models}
     ingress = serve.deployment(serve.ingress(app)(OpenAIIngress)).options(
-        name=INGRESS_NAME,
-        num_replicas=config.ingress.num_replicas,
-        max_ongoing_requests=config.ingress.max_ongoing_requests,
-        ray_actor_options={"num_cpus": 0},
+        **ingress_options(config.ingress)
     )
     lens = {m.name: compiled_max_seq_len(m) for m in config.models}
     return ingress.bind(servers, config.resolved_api_key(), config.limits.model_dump(), lens)

@@ -54,10 +54,18 @@ class IngressConfig(_Strict):
     ingress replica and starve the model replicas behind it (measured: 2 model replicas gave
     1.17x one replica's throughput). Back-pressure belongs to the model deployments
     (``max_ongoing_requests`` + ``max_queued_requests`` → 429), so this cap is set high.
+
+    ``graceful_shutdown_timeout_s``: how long a replaced ingress replica (a redeploy changes
+    the app's args, so Serve replaces every replica) keeps relaying the requests it holds
+    before Serve kills it; each is a whole generation, possibly still waiting for a model
+    replica that is starting, and a killed ingress answers all of them 500. Serve's default
+    (20 s) is shorter than one busy generation, so this is long: the ingress holds no device,
+    and its successor starts beside it.
     """
 
     num_replicas: int = Field(default=1, ge=1)
     max_ongoing_requests: int = Field(default=4096, ge=1)
+    graceful_shutdown_timeout_s: float = Field(default=600, gt=0)
 
 
 class ModelDeploymentConfig(_Strict):

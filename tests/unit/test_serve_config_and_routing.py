@@ -55,3 +55,20 @@ def test_prompt_prefix_reads_completion_and_chat_requests() -> None:
     assert prompt_prefix(CompletionRequest(model="m", prompt=long)) == long[:256]
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
     assert prompt_prefix(chat) == "hi"
+
+
+def test_ingress_outlasts_a_generation_when_replaced(tmp_path) -> None:
+    """A redeploy replaces the ingress; Serve kills it after ``graceful_shutdown_timeout_s``
+    and every request it still relays gets a 500, so the default must exceed Serve's 20 s."""
+    from ray import serve
+
+    from rbln_ray.serve.builder import ingress_options
+
+    model = [{"name": "m", "model": str(tmp_path)}]
+    options = ingress_options(load_config({"models": model}).ingress)
+    default = serve.deployment(lambda: None).options(**options)  # Serve accepts every option
+    assert default._deployment_config.graceful_shutdown_timeout_s == 600
+    custom = load_config({"models": model, "ingress": {"graceful_shutdown_timeout_s": 90}})
+    assert ingress_options(custom.ingress)["graceful_shutdown_timeout_s"] == 90
+    with pytest.raises(ValidationError):
+        load_config({"models": model, "ingress": {"graceful_shutdown_timeout_s": 0}})
