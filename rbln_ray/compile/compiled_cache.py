@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rbln_ray.common.paths import atomic_dir, cache_dir, file_lock
 from rbln_ray.compile.artifact import is_compiled_dir
+from rbln_ray.compile.encoders import encoder_for_dir
 from rbln_ray.compile.settings import CompileSettings
 from rbln_ray.compile.zoo import family_for_dir
 
@@ -53,10 +54,11 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
             f"model {str(model)!r} is not a local directory; rbln-ray loads local compiled "
             "(or HF) directories only"
         )
-    if is_compiled_dir(model_dir):
+    encoder = encoder_for_dir(model_dir)
+    if encoder is None:
         family_for_dir(model_dir)  # raises naming the supported architectures
+    if is_compiled_dir(model_dir):
         return model_dir
-    family_for_dir(model_dir)
     hf_config = json.loads((model_dir / "config.json").read_text())
     settings = (settings or CompileSettings()).with_max_seq_len(hf_config)
     key = hashlib.sha256(
@@ -69,6 +71,7 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
         if is_compiled_dir(out):
             logger.info("using cached compiled model %s", out)
             return out
+        from rbln_ray.compile.encoders import compile_encoder
         from rbln_ray.compile.family_compile import compile_model
 
         logger.info(
@@ -79,6 +82,7 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
         )
         started = time.monotonic()
         with atomic_dir(out) as tmp:
-            compile_model(model_dir, tmp, **settings.as_dict())
+            compile_fn = compile_encoder if encoder is not None else compile_model
+            compile_fn(model_dir, tmp, **settings.as_dict())
         logger.info("compiled %s in %.1f s", out.name, time.monotonic() - started)
     return out

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rbln_ray.compile.encoders import ENCODERS
+
 GREEDY_TEST = "tests/vllm_plugin/test_zoo_greedy.py::test_family_greedy_matches_transformers"
 # The four families verified before the zoo, by the original greedy test.
 LLM_GREEDY_TEST = "tests/vllm_plugin/test_llm_greedy.py::test_llm_greedy_matches_transformers"
@@ -297,6 +299,7 @@ def family_for_architectures(archs: Iterable[str], where: str = "model") -> Mode
         f"{where}: architecture {archs or 'unknown'} is not supported by rbln-ray"
         + (f" ({'; '.join(reasons)})" if reasons else "")
         + f"; supported: {', '.join(supported_architectures())}"
+        + f"; for embeddings: {', '.join(f.architecture for f in ENCODERS.values())}"
     )
 
 

@@ -33,9 +33,9 @@ def num_workers(vllm_config: VllmConfig) -> int:
     The single place the worker count comes from: the compiled artifact's stage count
     (``rbln_pipeline.json``; 1 for an optimum-rbln artifact).
     """
-    from rbln_ray.vllm_plugin.platform import compiled_artifact
+    from rbln_ray.vllm_plugin.platform import compiled_model
 
-    return compiled_artifact(vllm_config).num_stages
+    return compiled_model(vllm_config).num_stages
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,7 @@ class RBLNRayExecutor(Executor):
         return True
 
     def _init_executor(self) -> None:
-        from rbln_ray.vllm_plugin.platform import compiled_artifact
+        from rbln_ray.vllm_plugin.platform import compiled_model
 
         self._lock = threading.Lock()
         self._failed: str | None = None
@@ -121,7 +121,7 @@ class RBLNRayExecutor(Executor):
         self._held_step: SchedulerOutput | None = None  # see execute_model
 
         connect(self.vllm_config)
-        artifact = compiled_artifact(self.vllm_config)
+        artifact = compiled_model(self.vllm_config)
         plan = placement.PlacementPlan.from_config(self.vllm_config, artifact.num_devices)
         existing = self.parallel_config.placement_group or ray.util.get_current_placement_group()
         pg, bundles, owns_pg = placement.acquire(existing, plan)

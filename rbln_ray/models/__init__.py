@@ -1,16 +1,20 @@
-"""Small decoder models built locally and deterministically (no model hub needed).
+"""Small models built locally and deterministically (no model hub needed).
 
-``build_tiny_model`` makes random-weight Llama/Qwen2/Qwen3/Mistral directories for tests;
-``demo_model_dir`` returns a small Llama trained briefly on local Python sources, cached.
+``build_tiny_model`` makes random-weight decoder directories of every zoo family for tests,
+``build_tiny_encoder`` encoder (embedding) ones; ``demo_model_dir`` returns a small Llama
+trained briefly on local Python sources, cached.
 """
 
 from rbln_ray.models.builder import FAMILIES, TinyModelSpec, build_tiny_model
 from rbln_ray.models.demo import demo_model_dir
+from rbln_ray.models.encoders import TinyEncoderSpec, build_tiny_encoder
 from rbln_ray.models.tokenizer import build_tokenizer
 
 __all__ = [
     "FAMILIES",
+    "TinyEncoderSpec",
     "TinyModelSpec",
+    "build_tiny_encoder",
     "build_tiny_model",
     "build_tokenizer",
     "demo_model_dir",

@@ -16,6 +16,7 @@ from ray.serve.config import RequestRouterConfig
 
 from rbln_ray.compile import CompileSettings
 from rbln_ray.compile.artifact import CompiledArtifact, is_compiled_dir
+from rbln_ray.compile.encoders import EncoderArtifact, encoder_for_dir
 from rbln_ray.serve.capacity import ReplicaShape, wait_placeable
 from rbln_ray.serve.config import (
     DEMO_MODEL,
@@ -33,11 +34,13 @@ logger = logging.getLogger(__name__)
 INGRESS_NAME = "OpenAIIngress"
 
 
-def served_artifact(cfg: ModelDeploymentConfig) -> CompiledArtifact | None:
-    """The compiled artifact a replica serves; None when it compiles at start (demo, HF dir),
-    with the settings in ``cfg.compile``."""
+def served_artifact(cfg: ModelDeploymentConfig) -> CompiledArtifact | EncoderArtifact | None:
+    """The compiled artifact a replica serves (a decoder's or an encoder's); None when it
+    compiles at start (demo, HF dir), with the settings in ``cfg.compile``."""
     if cfg.model == DEMO_MODEL or not is_compiled_dir(cfg.model):
         return None
+    if encoder_for_dir(cfg.model) is not None:
+        return EncoderArtifact.load(cfg.model)
     return CompiledArtifact.load(cfg.model)
 
 

@@ -8,6 +8,7 @@ A client that disconnects cancels the handle call, which aborts the request in t
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import logging
@@ -17,7 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from ray.serve.exceptions import BackPressureError
 from vllm.exceptions import VLLMClientError
 
@@ -84,6 +85,12 @@ def warm_request_path() -> None:
     error_response(400, "warm-up").render({"warm": "up"})
 
 
+@functools.cache
+def _adapter(model_cls: Any) -> TypeAdapter:
+    """One pydantic adapter per request type (building one costs more than a validation)."""
+    return TypeAdapter(model_cls)
+
+
 def validation_message(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
@@ -129,7 +136,9 @@ class OpenAIIngress:
             return error_response(401, "missing or invalid API key", "AuthenticationError")
         return None
 
-    async def _parse(self, request: Request, model_cls: type) -> Any:
+    async def _parse(self, request: Request, model_cls: Any) -> Any:
+        """The body validated as ``model_cls`` (a vLLM protocol model, or a union of them
+        such as ``EmbeddingRequest``), or the 4xx response that says why it is not one."""
         cap = self.limits.max_request_bytes
         if int(request.headers.get("content-length") or 0) > cap:
             return error_response(413, f"request body exceeds {cap} bytes")
@@ -143,7 +152,7 @@ class OpenAIIngress:
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object")
         try:
-            parsed = model_cls.model_validate(body)
+            parsed = _adapter(model_cls).validate_python(body)
         except ValidationError as exc:
             return error_response(400, validation_message(exc))
         except (VLLMClientError, ValueError) as exc:  # vLLM's own request checks
@@ -157,7 +166,7 @@ class OpenAIIngress:
                 f"model {parsed.model!r} does not exist; served models: {known}",
                 "NotFoundError",
             )
-        if (parsed.n or 1) > self.limits.max_n:
+        if (getattr(parsed, "n", None) or 1) > self.limits.max_n:
             return error_response(400, f"n={parsed.n} exceeds the limit of {self.limits.max_n}")
         max_tokens = getattr(parsed, "max_tokens", None) or getattr(
             parsed, "max_completion_tokens", None
@@ -226,26 +235,52 @@ class OpenAIIngress:
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
+    async def _call(self, request: Request, model_cls: Any, method: str) -> Response:
+        """Authorise, parse as ``model_cls``, relay to the model server's ``method``."""
+        denied = self._unauthorized(request)
+        if denied:
+            return denied
+        parsed = await self._parse(request, model_cls)
+        if isinstance(parsed, Response):
+            return parsed
+        encoding = getattr(parsed, "encoding_format", None)
+        if method == "embeddings" and encoding not in ("float", "base64"):
+            # vLLM's bytes encodings stream raw tensors, which the replica does not relay.
+            return error_response(400, f"encoding_format={encoding!r}: use 'float' or 'base64'")
+        return await self._relay(parsed, method)
+
     # ---------------------------------------------------------------- routes
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-        denied = self._unauthorized(request)
-        if denied:
-            return denied
-        parsed = await self._parse(request, CompletionRequest)
-        return parsed if isinstance(parsed, Response) else await self._relay(parsed, "completions")
+        return await self._call(request, CompletionRequest, "completions")
 
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        denied = self._unauthorized(request)
-        if denied:
-            return denied
-        parsed = await self._parse(request, ChatCompletionRequest)
-        return parsed if isinstance(parsed, Response) else await self._relay(parsed, "chat")
+        return await self._call(request, ChatCompletionRequest, "chat")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        from vllm.entrypoints.pooling.embed.protocol import EmbeddingRequest
+
+        return await self._call(request, EmbeddingRequest, "embeddings")
+
+    @app.post("/v1/score")
+    @app.post("/score")
+    async def score(self, request: Request) -> Response:
+        from vllm.entrypoints.pooling.scoring.protocol import ScoreRequest
+
+        return await self._call(request, ScoreRequest, "score")
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    async def rerank(self, request: Request) -> Response:
+        from vllm.entrypoints.pooling.scoring.protocol import RerankRequest
+
+        return await self._call(request, RerankRequest, "score")
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:

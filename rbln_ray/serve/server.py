@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -80,6 +81,19 @@ def deployment_fingerprint(cfg: ModelDeploymentConfig, model_path: str) -> str:
     return f"vllm-{vllm_version}-rbln-{digest.hexdigest()[:8]}"
 
 
+def _json_body(serving: Any) -> Any:
+    """vLLM's pooling servers (embeddings, scores) answer with a Starlette ``JSONResponse``;
+    the replica relays its JSON body (an error's carries its status in ``error.code``)."""
+
+    async def create(request: Any) -> dict[str, Any]:
+        response = await serving(request)
+        if not hasattr(response, "body"):
+            raise TypeError(f"{type(response).__name__} is not a JSON response")
+        return json.loads(response.body)
+
+    return create
+
+
 class LLMServer:
     """Hosts one engine for one model (a Serve replica).
 
@@ -130,8 +144,9 @@ class LLMServer:
         )
         self.state = State()
         tasks = await self.engine.get_supported_tasks()
+        self.tasks = tuple(tasks)
         await init_app_state(self.engine, self.state, args, tasks)
-        if self.cfg.warm_up:
+        if self.cfg.warm_up and "generate" in self.tasks:
             sizes = compiled_artifact(vllm_config).decoder_batch_sizes
             await warm_up(self.state, self.engine, self.cfg.name, sizes)
         logger.info("model %s ready in replica pid %d", self.cfg.name, os.getpid())
@@ -161,8 +176,9 @@ class LLMServer:
             if self.engine.errored:
                 await self._die(exc)
             raise
-        if hasattr(result, "model_dump"):  # a full response or an ErrorResponse
-            body = result.model_dump()
+        if hasattr(result, "model_dump") or isinstance(result, dict):
+            # a full response or an ErrorResponse (a pooling server's JSON body: a dict)
+            body = result if isinstance(result, dict) else result.model_dump()
             if "error" in body and self.engine.errored:
                 await self._die(RuntimeError(body["error"].get("message")))
             yield body
@@ -208,12 +224,37 @@ class LLMServer:
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     async def completions(self, request: Any) -> AsyncIterator[Any]:
-        create = self.state.openai_serving_completion.create_completion
-        async for item in self._serve(create, request):
+        async for item in self._route("openai_serving_completion", "create_completion", request):
             yield item
 
     async def chat(self, request: Any) -> AsyncIterator[Any]:
-        create = self.state.openai_serving_chat.create_chat_completion
+        async for item in self._route("openai_serving_chat", "create_chat_completion", request):
+            yield item
+
+    async def embeddings(self, request: Any) -> AsyncIterator[Any]:
+        async for item in self._route("serving_embedding", None, request):
+            yield item
+
+    async def score(self, request: Any) -> AsyncIterator[Any]:
+        """``/v1/score`` and ``/v1/rerank``: vLLM's ``ServingScores`` takes both."""
+        async for item in self._route("serving_scores", None, request):
+            yield item
+
+    async def _route(self, handler: str, method: str | None, request: Any) -> AsyncIterator[Any]:
+        """Run vLLM's serving object ``handler`` (its ``method``, or the pooling servers'
+        ``__call__``), or a 400 naming what this model serves when it has no such object (a
+        text model asked for embeddings, an encoder asked for a completion)."""
+        serving = getattr(self.state, handler, None)
+        if serving is None:
+            from vllm.entrypoints.serve.exception_handling.error_response import (
+                create_error_response,
+            )
+
+            tasks = ", ".join(self.tasks)
+            message = f"model {self.cfg.name!r} does not serve this endpoint (its tasks: {tasks})"
+            yield create_error_response(message).model_dump()
+            return
+        create = getattr(serving, method) if method else _json_body(serving)
         async for item in self._serve(create, request):
             yield item
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rbln_ray.compile.artifact import CompiledArtifact
+from rbln_ray.compile.encoders import EncoderArtifact
 
 logger = logging.getLogger(__name__)
 
@@ -26,3 +27,16 @@ def load_compiled_model(artifact: CompiledArtifact, device_ids: Sequence[int]) -
     return RBLNAutoModelForCausalLM.from_pretrained(
         str(artifact.path), export=False, rbln_device=device
     )
+
+
+def load_compiled_encoder(artifact: EncoderArtifact, device_ids: Sequence[int]) -> Any:
+    """Load a compiled encoder with its optimum-rbln class on ``device_ids``."""
+    from rbln_ray.emulator import require_runtime
+
+    require_runtime("load a compiled model")
+    import optimum.rbln
+
+    cls = getattr(optimum.rbln, artifact.family.optimum_class)
+    device: int | list[int] = device_ids[0] if len(device_ids) == 1 else list(device_ids)
+    logger.info("loading encoder %s on RBLN device(s) %s", artifact.path, device)
+    return cls.from_pretrained(str(artifact.path), export=False, rbln_device=device)

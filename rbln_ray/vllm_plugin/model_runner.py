@@ -86,7 +86,9 @@ class RBLNModelRunner:
         # hidden states; only the last returns logits and samples.
         self.first_stage, self.last_stage = first_stage, last_stage
         self.artifact = artifact
-        self.model = model
+        # Not ``model``: vLLM 0.30's in-process engine walks ``model_runner.model.modules()``
+        # at exit (LLMEngine._cleanup_instance_caches); an optimum-rbln model is no nn.Module.
+        self.rbln_model = model
         self.layout = layout
         self.device = torch.device("cpu")
         model_config = vllm_config.model_config
@@ -193,12 +195,12 @@ class RBLNModelRunner:
         """Run the plan's on-device KV copies; False if the runtime cannot copy."""
         if not copies:
             return True
-        copy = getattr(self.model, "copy_kv_blocks", None)
+        copy = getattr(self.rbln_model, "copy_kv_blocks", None)
         try:
             if copy is not None:  # a pipeline: every stage copies its own layers
                 copy([(c.src, c.dst, c.tokens) for c in copies])
             else:
-                runtime = self.model.prefill_decoder.runtime
+                runtime = self.rbln_model.prefill_decoder.runtime
                 for c in copies:
                     runtime._copy_kv_cache(c.src, c.dst, c.tokens)
         except Exception:  # noqa: BLE001 - a failed copy costs a recompute, never the engine
@@ -232,7 +234,7 @@ class RBLNModelRunner:
         table = torch.tensor(self._table_row(plan.tables[req_id]), dtype=torch.int16)
         tables = self._block_inputs(table, [plan.slots.get(req_id)], prefill=True)
         start_t = time.perf_counter()
-        out = self.model.prefill_decoder(input_ids=x, cache_position=positions, **tables)
+        out = self.rbln_model.prefill_decoder(input_ids=x, cache_position=positions, **tables)
         self.stats.device_seconds += time.perf_counter() - start_t
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += end - start
@@ -287,7 +289,7 @@ class RBLNModelRunner:
         if self.artifact.use_position_ids:
             inputs["position_ids"] = cache_pos
         start_t = time.perf_counter()
-        out = self.model.decoders[bs](input_ids=x, cache_position=cache_pos, **inputs)
+        out = self.rbln_model.decoders[bs](input_ids=x, cache_position=cache_pos, **inputs)
         self.stats.device_seconds += time.perf_counter() - start_t
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(req_ids)

@@ -13,6 +13,10 @@ automatic prefix caching (on by default, ``enable_prefix_caching=False`` honoure
 chunked prefill work on RBLN. Prefix caching is turned off (logged) for sliding-window
 artifacts, as vllm-rbln does, and both are off for families whose compiled prefill cannot
 resume mid-prompt (Gemma3).
+
+A compiled encoder (:mod:`rbln_ray.compile.encoders`) is configured for vLLM's pooling runner
+instead: no KV cache, vLLM's own scheduler batching whole prompts up to the compiled batch,
+:class:`~rbln_ray.vllm_plugin.pooling_worker.RBLNPoolingWorker`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING
 from vllm.platforms.cpu import CpuPlatform
 
 from rbln_ray.compile.artifact import CompiledArtifact
+from rbln_ray.compile.encoders import EncoderArtifact, encoder_for_dir
 from rbln_ray.vllm_plugin.driver_cluster import remember_driver_cluster
 from rbln_ray.vllm_plugin.kv_blocks import BlockLayout
 from rbln_ray.vllm_plugin.options import COMPILED_DIR_KEY, RBLNOptions, record
@@ -34,6 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WORKER_CLS = "rbln_ray.vllm_plugin.worker.RBLNWorker"
+POOLING_WORKER_CLS = "rbln_ray.vllm_plugin.pooling_worker.RBLNPoolingWorker"
 SCHEDULER_CLS = "rbln_ray.vllm_plugin.scheduler.RBLNScheduler"
 ASYNC_SCHEDULER_CLS = "rbln_ray.vllm_plugin.scheduler.RBLNAsyncScheduler"
 # The layers above, named (vLLM's config takes qualnames) and never imported from here: the
@@ -47,8 +53,9 @@ class RBLNConfigError(ValueError):
     """A vLLM setting conflicts with what the compiled RBLN artifact supports."""
 
 
-def compiled_artifact(vllm_config: VllmConfig) -> CompiledArtifact:
-    """Resolve (compiling an HF directory on first use) and load the engine's artifact."""
+def compiled_dir(vllm_config: VllmConfig) -> str:
+    """The engine's compiled directory: the model itself, or (compiled on first use) the cached
+    compile of an HF directory, recorded so every later call and process reuses it."""
     from rbln_ray.compile import resolve_compiled_dir
 
     options = RBLNOptions.from_vllm_config(vllm_config)
@@ -61,10 +68,27 @@ def compiled_artifact(vllm_config: VllmConfig) -> CompiledArtifact:
             settings = replace(settings, max_seq_len=user_len)
         compiled = str(resolve_compiled_dir(model_config.model, settings))
         record(vllm_config, COMPILED_DIR_KEY, compiled)
-    return CompiledArtifact.load(compiled)
+    return compiled
 
 
-def _sync_model_len(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
+def compiled_artifact(vllm_config: VllmConfig) -> CompiledArtifact:
+    """The engine's compiled decoder (see :func:`compiled_dir`)."""
+    return CompiledArtifact.load(compiled_dir(vllm_config))
+
+
+def compiled_encoder(vllm_config: VllmConfig) -> EncoderArtifact | None:
+    """The engine's compiled encoder, or None when the model is a decoder."""
+    path = compiled_dir(vllm_config)
+    return EncoderArtifact.load(path) if encoder_for_dir(path) is not None else None
+
+
+def compiled_model(vllm_config: VllmConfig) -> CompiledArtifact | EncoderArtifact:
+    """The engine's compiled decoder or encoder, for what both have (``num_devices``,
+    ``num_stages``, ``batch_size``): the executor's placement, for one."""
+    return compiled_encoder(vllm_config) or compiled_artifact(vllm_config)
+
+
+def _sync_model_len(vllm_config: VllmConfig, art: CompiledArtifact | EncoderArtifact) -> None:
     model_config = vllm_config.model_config
     user_len = model_config.original_max_model_len
     if user_len and user_len > art.max_seq_len:
@@ -213,6 +237,13 @@ def _sync_parallel(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
         # Stages are separate Ray actors: a staged artifact always runs on the Ray executor.
         logger.info("%d pipeline stages: using the RBLN Ray executor", art.num_stages)
         parallel.distributed_executor_backend = RAY_EXECUTOR_CLS
+    _sync_executor(vllm_config)
+
+
+def _sync_executor(vllm_config: VllmConfig) -> None:
+    """``"ray"`` means the RBLN Ray executor; multiprocessing means one in-process worker (the
+    devices sit behind one process either way)."""
+    parallel = vllm_config.parallel_config
     if parallel.distributed_executor_backend == "ray":
         parallel.distributed_executor_backend = RAY_EXECUTOR_CLS
     elif parallel.distributed_executor_backend in (None, "mp"):
@@ -223,6 +254,51 @@ def _sync_parallel(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
     ):
         # The engine core starts in a new process: tell it which Ray cluster the driver uses.
         remember_driver_cluster(vllm_config)
+
+
+def _sync_decoder(vllm_config: VllmConfig) -> None:
+    art = compiled_artifact(vllm_config)
+    if vllm_config.model_config.runner_type == "pooling":
+        raise RBLNConfigError(
+            f"{art.path} is a compiled decoder ({art.cls_name}); the pooling runner serves "
+            "compiled encoders only (rbln_ray.compile.encoders), not decoder-based embedders"
+        )
+    _sync_model_len(vllm_config, art)
+    _sync_kv_cache(vllm_config, art)
+    _sync_scheduler(vllm_config, art)
+    requested_backend = vllm_config.parallel_config.distributed_executor_backend
+    _sync_parallel(vllm_config, art)
+    _sync_async_scheduling(vllm_config, requested_backend)
+
+
+def _sync_encoder(vllm_config: VllmConfig, art: EncoderArtifact) -> None:
+    """An encoder runs whole prompts, up to ``batch_size`` of them per compiled call, with no
+    KV cache: vLLM's own scheduler (no RBLN block plan to make), no prefix caching, no
+    chunking, one in-process or Ray worker."""
+    model_config = vllm_config.model_config
+    if model_config.runner_type != "pooling":
+        raise RBLNConfigError(
+            f"{art.path} is a compiled {art.family.architecture} encoder: it serves embeddings "
+            "(runner='pooling'), not text generation"
+        )
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise RBLNConfigError(
+            f"{art.path}: an encoder runs on the devices it was compiled for; leave "
+            "tensor_parallel_size and pipeline_parallel_size at 1"
+        )
+    _sync_model_len(vllm_config, art)
+    vllm_config.cache_config.enable_prefix_caching = False
+    sched = vllm_config.scheduler_config
+    sched.max_num_seqs = min(sched.max_num_seqs, art.batch_size)
+    sched.enable_chunked_prefill = False
+    sched.max_num_batched_tokens = art.batch_size * model_config.max_model_len
+    sched.long_prefill_token_threshold = 0
+    sched.max_num_scheduled_tokens = None
+    sched.async_scheduling = False  # nothing to overlap: a step's output is its last
+    sched.verify_max_model_len(model_config.max_model_len)
+    parallel.worker_cls = POOLING_WORKER_CLS
+    _sync_executor(vllm_config)
 
 
 class RBLNPlatform(CpuPlatform):
@@ -247,13 +323,11 @@ class RBLNPlatform(CpuPlatform):
         if vllm_config.model_config is None:
             return
         RBLNOptions.from_vllm_config(vllm_config)  # invalid options fail here, in the driver
-        art = compiled_artifact(vllm_config)
-        _sync_model_len(vllm_config, art)
-        _sync_kv_cache(vllm_config, art)
-        _sync_scheduler(vllm_config, art)
-        requested_backend = vllm_config.parallel_config.distributed_executor_backend
-        _sync_parallel(vllm_config, art)
-        _sync_async_scheduling(vllm_config, requested_backend)
+        encoder = compiled_encoder(vllm_config)
+        if encoder is not None:
+            _sync_encoder(vllm_config, encoder)
+        else:
+            _sync_decoder(vllm_config)
         vllm_config.model_config.disable_cascade_attn = True
         vllm_config.compilation_config.mode = CompilationMode.NONE
         vllm_config.compilation_config.cudagraph_capture_sizes = []

@@ -43,8 +43,7 @@ class RBLNWorker(WorkerBase):
             # An emulated device computes on host cores; one thread each keeps several
             # emulated devices on a small host from fighting over OpenMP barriers.
             torch.set_num_threads(envs.get("RBLN_RAY_EMULATOR_THREADS") or 1)
-        self.artifact = compiled_artifact(self.vllm_config)
-        self.layout = block_layout(self.artifact)
+        self._resolve_artifact()
         n = self.artifact.num_devices
         # Indices into this process's visible devices (RBLN_DEVICES, set by Ray per actor).
         self.device_ids = list(range(self.local_rank * n, (self.local_rank + 1) * n))
@@ -57,6 +56,10 @@ class RBLNWorker(WorkerBase):
         self.metrics = DeviceMetrics.for_this_worker(
             self.vllm_config.model_config.served_model_name, self.artifact.batch_size
         )
+
+    def _resolve_artifact(self) -> None:
+        self.artifact = compiled_artifact(self.vllm_config)
+        self.layout = block_layout(self.artifact)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         model = load_compiled_model(self.artifact, self.device_ids)

@@ -21,6 +21,7 @@ class RunningApp:
     api_key: str | None
     gcs_address: str
     model_dir: Path
+    embed_model_dir: Path | None = None  # the HF directory of the app's embedding model
 
 
 def start_app(config: dict, port: int, model_dir: Path) -> RunningApp:
@@ -58,11 +59,12 @@ def stop_app() -> None:
 
 @pytest.fixture(scope="module")
 def demo_app() -> Iterator[RunningApp]:
-    """The demo model (compiled, batch 4) with 2 replicas, a tiny Qwen2 beside it, an API key."""
+    """The demo model (compiled, batch 4) with 2 replicas, a tiny Qwen2 and a tiny BERT
+    embedding model beside it (one device each), an API key."""
     from rbln_ray.cli.serve_cmd import DEMO_COMPILE
     from rbln_ray.compile import CompileSettings, resolve_compiled_dir
-    from rbln_ray.models import demo_model_dir
-    from tests.helpers import compiled_model
+    from rbln_ray.models import build_tiny_encoder, demo_model_dir
+    from tests.helpers import compiled_encoder, compiled_model
 
     hf_dir = demo_model_dir()
     compiled = resolve_compiled_dir(hf_dir, CompileSettings.from_dict(DEMO_COMPILE))
@@ -71,9 +73,11 @@ def demo_app() -> Iterator[RunningApp]:
         "models": [
             {"name": "demo", "model": str(compiled), "num_replicas": 2},
             {"name": "qwen", "model": str(compiled_model("qwen2")), "num_replicas": 1},
+            {"name": "embed", "model": str(compiled_encoder()), "num_replicas": 1},
         ],
     }
     app = start_app(config, free_port(), hf_dir)
+    app.embed_model_dir = build_tiny_encoder()
     try:
         yield app
     finally:

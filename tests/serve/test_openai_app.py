@@ -49,7 +49,7 @@ def test_openai_client_greedy_matches_transformers(demo_app: RunningApp) -> None
     streamed = client.chat.completions.create(messages=messages, stream=True, **kw)
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat_expected
 
-    assert sorted(m.id for m in client.models.list().data) == ["demo", "qwen"]
+    assert sorted(m.id for m in client.models.list().data) == ["demo", "embed", "qwen"]
 
 
 def test_requests_are_routed_by_model_field(demo_app: RunningApp) -> None:
@@ -240,6 +240,71 @@ def test_ray_metrics_carry_engine_and_device_series_per_replica(demo_app: Runnin
     )
     assert decoded >= 399, decoded  # 8 x 400 tokens on 2 replicas of batch 4
     assert samples("ray_vllm_generation_tokens_total")
+
+
+def test_embeddings_and_scores_beside_chat_match_vllm_cpu(demo_app: RunningApp) -> None:
+    """``/v1/embeddings`` (the openai client) and ``/v1/score`` of the tiny BERT equal plain
+    vLLM-CPU's on the same weights, while chat completions run on the demo model."""
+    import openai
+
+    from tests.embeddings import QUERY, TEXTS, assert_embeddings_match
+    from tests.helpers import plain_vllm_embeddings
+
+    client = openai.OpenAI(base_url=f"{demo_app.url}/v1", api_key=API_KEY, max_retries=0)
+    chat = {"model": "demo", "max_tokens": 32, "temperature": 0}
+    messages = [{"role": "user", "content": "write a loop"}]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        chats = [
+            pool.submit(client.chat.completions.create, messages=messages, **chat)
+            for _ in range(4)
+        ]
+        embedded = pool.submit(client.embeddings.create, model="embed", input=TEXTS)
+        scored = pool.submit(
+            httpx.post,
+            f"{demo_app.url}/v1/score",
+            json={"model": "embed", "text_1": QUERY, "text_2": TEXTS},
+            headers=AUTH,
+            timeout=120,
+        )
+        replies = {c.result().choices[0].message.content for c in chats}
+        response, score = embedded.result(), scored.result()
+    assert len(replies) == 1 and replies.pop(), "greedy chat replies differ or are empty"
+    plain = plain_vllm_embeddings(demo_app.embed_model_dir, TEXTS, QUERY)
+    assert response.model == "embed" and response.usage.prompt_tokens == sum(
+        plain["prompt_lens"]
+    )
+    assert_embeddings_match([d.embedding for d in response.data], plain["embeddings"])
+    assert score.status_code == 200, score.text
+    got = [d["score"] for d in sorted(score.json()["data"], key=lambda d: d["index"])]
+    assert all(abs(a - b) < 1e-4 for a, b in zip(got, plain["scores"], strict=True)), got
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "needle"),
+    [
+        ("/v1/embeddings", {"model": "embed", "input": "x " * 400}, "128"),
+        ("/v1/embeddings", {"model": "embed", "input": []}, "prompt"),
+        ("/v1/embeddings", {"model": "embed", "input": "x", "encoding_format": "bytes"}, "float"),
+        ("/v1/embeddings", {"model": "demo", "input": "x"}, "does not serve"),
+        ("/v1/completions", {"model": "embed", "prompt": "x", "max_tokens": 2}, "does not serve"),
+        ("/v1/score", {"model": "embed", "text_1": "x"}, "text_2"),
+    ],
+)
+def test_bad_pooling_input_gets_openai_style_4xx(
+    demo_app: RunningApp, path: str, body: dict, needle: str
+) -> None:
+    r = httpx.post(f"{demo_app.url}{path}", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == 400 and error["type"]
+    assert needle.lower() in error["message"].lower(), error["message"]
+    ok = httpx.post(
+        f"{demo_app.url}/v1/embeddings",
+        json={"model": "embed", "input": "still serving"},
+        headers=AUTH,
+        timeout=120,
+    )
+    assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 128
 
 
 def test_health_reflects_a_dead_replica(demo_app: RunningApp) -> None:

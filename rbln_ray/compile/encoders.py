@@ -1,0 +1,142 @@
+"""Encoder (pooling) models: which architectures rbln-ray serves for embeddings, how they are
+compiled, and what a compiled one looks like.
+
+Why apart from :mod:`.zoo`: an encoder has no KV cache, no decode phase and no sampling. One
+compiled graph takes ``[batch_size, max_seq_len]`` token ids with an attention mask and
+returns every position's hidden state; pooling (CLS, mean, ...) and normalisation stay on the
+host, in vLLM's own pooler, exactly as plain vLLM pools its own BERT. So the families, the
+compile call and the artifact fields differ from a decoder's in every line.
+
+Supported means what it means in the zoo: a tiny model of the family, built locally by
+:func:`rbln_ray.models.build_tiny_encoder`, compiled with optimum-rbln 0.12 on the emulator and
+served by ``vllm.LLM(runner="pooling")`` gives plain vLLM-CPU's embeddings (``verified_by``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rbln_ray.common.artifact_files import RBLN_CONFIG
+
+logger = logging.getLogger(__name__)
+
+EMBED_TEST = "tests/vllm_plugin/test_embeddings.py::test_embeddings_match_vllm_cpu"
+
+
+@dataclass(frozen=True)
+class EncoderFamily:
+    """One encoder architecture optimum-rbln 0.12 compiles, served for embeddings."""
+
+    name: str  # rbln-ray's family name (``rbln-ray build-model <name>``)
+    architecture: str  # ``config.json`` ``architectures[0]``
+    optimum_class: str
+    input_names: tuple[str, ...]  # the compiled graph's inputs, in order
+    verified_by: str = ""
+
+    @property
+    def config_class(self) -> str:
+        return self.optimum_class + "Config"
+
+
+ENCODERS: dict[str, EncoderFamily] = {
+    "bert": EncoderFamily(
+        name="bert",
+        architecture="BertModel",
+        optimum_class="RBLNBertModel",
+        input_names=("input_ids", "attention_mask", "token_type_ids"),
+        verified_by=EMBED_TEST,
+    ),
+}
+
+
+def _architectures(model_dir: Path) -> list[str]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        return []
+    return list(json.loads(path.read_text()).get("architectures") or [])
+
+
+def encoder_for_dir(model_dir: str | Path) -> EncoderFamily | None:
+    """The encoder family of an HF or compiled directory, or None for anything else."""
+    by_arch = {f.architecture: f for f in ENCODERS.values()}
+    for arch in _architectures(Path(model_dir)):
+        if arch in by_arch:
+            return by_arch[arch]
+    return None
+
+
+class EncoderArtifactError(ValueError):
+    """A directory is not a usable compiled optimum-rbln encoder."""
+
+
+@dataclass(frozen=True)
+class EncoderArtifact:
+    """What rbln-ray needs to know about a compiled encoder directory."""
+
+    path: Path
+    family: EncoderFamily
+    batch_size: int  # rows of one compiled call
+    max_seq_len: int  # tokens of each row (shorter inputs are padded, masked out)
+    input_names: tuple[str, ...]
+    num_devices: int = 1
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages: an encoder is one compiled graph, never staged."""
+        return 1
+
+    @classmethod
+    def load(cls, path: str | Path) -> EncoderArtifact:
+        path = Path(path)
+        family = encoder_for_dir(path)
+        cfg_path = path / RBLN_CONFIG
+        if family is None or not cfg_path.is_file():
+            raise EncoderArtifactError(f"{path} is not a compiled encoder (no {RBLN_CONFIG})")
+        raw = json.loads(cfg_path.read_text())
+        if raw.get("cls_name") != family.config_class:
+            raise EncoderArtifactError(
+                f"{cfg_path} was compiled as {raw.get('cls_name')!r}; {family.architecture} "
+                f"is served from {family.config_class}"
+            )
+        compile_cfgs = raw.get("_compile_cfgs") or [{}]
+        return cls(
+            path=path,
+            family=family,
+            batch_size=int(raw["batch_size"]),
+            max_seq_len=int(raw["max_seq_len"]),
+            input_names=tuple(raw.get("model_input_names") or family.input_names),
+            num_devices=int(compile_cfgs[0].get("num_devices") or 1),
+        )
+
+
+def compile_encoder(
+    hf_dir: str | Path, out_dir: str | Path, *, batch_size: int, max_seq_len: int, **_: Any
+) -> Path:
+    """Compile ``hf_dir`` with its optimum-rbln encoder class (decoder-only settings such as
+    ``attn_impl`` do not apply and are ignored); returns ``out_dir``."""
+    from rbln_ray.emulator.switch import require_runtime
+
+    family = encoder_for_dir(hf_dir)
+    if family is None:
+        raise ValueError(f"{hf_dir} is not an encoder rbln-ray compiles")
+    require_runtime("compile a model")
+    import optimum.rbln
+
+    cls = getattr(optimum.rbln, family.optimum_class)
+    shape = f"batch {batch_size} x {max_seq_len} tokens"
+    logger.info("compiling encoder %s -> %s (%s)", hf_dir, out_dir, shape)
+    model = cls.from_pretrained(
+        str(hf_dir),
+        export=True,
+        rbln_batch_size=batch_size,
+        rbln_max_seq_len=max_seq_len,
+        rbln_model_input_names=list(family.input_names),
+        rbln_create_runtimes=False,
+    )
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out

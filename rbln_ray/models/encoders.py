@@ -1,0 +1,102 @@
+"""Deterministic tiny encoder models (embeddings) of the families rbln-ray serves.
+
+Why: the embedding tests compare rbln-ray with plain vLLM-CPU on the same weights, which needs
+a real Hugging Face encoder directory, built offline. The tokenizer is the local byte-level
+BPE one (:mod:`.tokenizer`) with BERT's framing added: ``<|bos|>`` as ``[CLS]`` first,
+``<|eos|>`` as ``[SEP]`` after each segment, segment ids for pairs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rbln_ray.common.paths import atomic_dir, cache_dir
+from rbln_ray.compile.encoders import ENCODERS
+from rbln_ray.models.tokenizer import BOS, EOS, PAD, build_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TinyEncoderSpec:
+    """Shape of a tiny encoder; every field is part of its cache key."""
+
+    family: str = "bert"
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 256
+    vocab_size: int = 4096
+    max_position_embeddings: int = 512
+    # Larger than BERT's 0.02, so different inputs get clearly different embeddings (at 0.02
+    # every pair of inputs is cosine-similar to > 0.999 and a test could not tell them apart).
+    initializer_range: float = 0.2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.family not in ENCODERS:
+            raise ValueError(f"unknown encoder family {self.family!r}; known: {list(ENCODERS)}")
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _framed_tokenizer(vocab_size: int):
+    """The local BPE tokenizer, framed as BERT frames its inputs."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_file(str(build_tokenizer(vocab_size) / "tokenizer.json"))
+    cls_id, sep_id = tok.token_to_id(BOS), tok.token_to_id(EOS)
+    tok.post_processor = TemplateProcessing(
+        single=f"{BOS}:0 $A:0 {EOS}:0",
+        pair=f"{BOS}:0 $A:0 {EOS}:0 $B:1 {EOS}:1",
+        special_tokens=[(BOS, cls_id), (EOS, sep_id)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        cls_token=BOS,
+        sep_token=EOS,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+    )
+
+
+def build_tiny_encoder(
+    spec: TinyEncoderSpec | None = None, out_dir: Path | None = None, **kw
+) -> Path:
+    """Build (once, cached by spec) a random-weight encoder directory with its tokenizer."""
+    import torch
+    import transformers
+
+    spec = spec or TinyEncoderSpec(**kw)
+    out = out_dir or cache_dir() / "models" / f"tiny-{spec.family}-{spec.key()}"
+    if (out / "config.json").exists():
+        return out
+    tokenizer = _framed_tokenizer(spec.vocab_size)
+    config = transformers.BertConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        intermediate_size=spec.intermediate_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = transformers.BertModel(config).eval()
+    logger.info("building tiny %s encoder at %s", spec.family, out)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "rbln_ray_spec.json").write_text(json.dumps(asdict(spec), indent=2))
+    return out

@@ -1,0 +1,126 @@
+"""RBLN pooling runner: a vLLM step of whole prompts → one compiled encoder call → vLLM's pooler.
+
+Each step holds up to the compiled ``batch_size`` new prompts (vLLM's scheduler, configured by
+the platform: no chunking, ``max_num_seqs = batch_size``). They are padded to the compiled
+``[batch_size, max_seq_len]`` shape with an attention mask that hides the padding, run in one
+device call, and each row's hidden states (its own tokens only) go to vLLM's own pooler, built
+from the engine's ``pooler_config`` just as plain vLLM builds it for the same architecture
+(CLS, mean, ... and normalisation, a sentence-transformers projector if the model has one). So
+the embeddings are plain vLLM's, computed on RBLN.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.model_executor.layers.pooler import DispatchPooler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.pool.metadata import PoolingMetadata, PoolingStates
+
+from rbln_ray.compile.encoders import EncoderArtifact
+from rbln_ray.vllm_plugin.model_runner import StepStats
+
+logger = logging.getLogger(__name__)
+
+
+class RBLNPoolingRunner:
+    """Drives one loaded optimum-rbln encoder for a vLLM pooling engine."""
+
+    def __init__(self, vllm_config: VllmConfig, artifact: EncoderArtifact, model: Any) -> None:
+        self.artifact = artifact
+        # Not ``model``: vLLM 0.30's in-process engine walks ``model_runner.model.modules()``
+        # at exit (LLMEngine._cleanup_instance_caches); an optimum-rbln model is no nn.Module.
+        self.rbln_model = model
+        model_config = vllm_config.model_config
+        if model_config.pooler_config is None:
+            raise RuntimeError(f"{artifact.path}: the engine has no pooler_config")
+        with set_current_vllm_config(vllm_config):  # vLLM's pooler reads it while building
+            self.pooler = DispatchPooler.for_embedding(model_config.pooler_config)
+        self.supported_tasks = tuple(sorted(self.pooler.get_supported_tasks()))
+        self.pad_id = 0  # masked out: never attended to, never pooled
+        self.stats = StepStats()
+        self.requests: dict[str, int] = {}  # in this step (an encoder holds nothing after it)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Encode and pool every prompt of the step; each request finishes here."""
+        if so.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        if so.scheduled_cached_reqs.req_ids:
+            raise RuntimeError(
+                f"requests {so.scheduled_cached_reqs.req_ids} scheduled again: an encoder "
+                "request must finish in the step that schedules its whole prompt"
+            )
+        news = so.scheduled_new_reqs
+        art = self.artifact
+        if len(news) > art.batch_size:
+            raise RuntimeError(f"{len(news)} prompts exceed the compiled batch {art.batch_size}")
+        prompts = [list(n.prompt_token_ids or []) for n in news]
+        for new, prompt in zip(news, prompts, strict=True):
+            if so.num_scheduled_tokens[new.req_id] != len(prompt):
+                raise RuntimeError(
+                    f"request {new.req_id}: {so.num_scheduled_tokens[new.req_id]} of "
+                    f"{len(prompt)} prompt tokens scheduled; encoders run whole prompts"
+                )
+            if len(prompt) > art.max_seq_len:
+                raise RuntimeError(
+                    f"request {new.req_id}: {len(prompt)} tokens exceed the compiled "
+                    f"max_seq_len={art.max_seq_len}"
+                )
+        self.requests = {n.req_id: len(p) for n, p in zip(news, prompts, strict=True)}
+        hidden = self._encode(prompts)
+        lens = [len(p) for p in prompts]
+        flat = torch.cat([hidden[i, :n] for i, n in enumerate(lens)])
+        metadata = self._metadata(news, prompts)
+        pooled = self.pooler(hidden_states=flat, pooling_metadata=metadata)
+        self.requests = {}
+        req_ids = [n.req_id for n in news]
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            pooler_output=[p.to("cpu") if p is not None else None for p in pooled],
+        )
+
+    def _encode(self, prompts: list[list[int]]) -> torch.Tensor:
+        """One compiled call: ``[batch_size, max_seq_len]`` in, every position's hidden out."""
+        art = self.artifact
+        ids = torch.full((art.batch_size, art.max_seq_len), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, prompt in enumerate(prompts):
+            ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+            mask[i, : len(prompt)] = 1
+        inputs = {"input_ids": ids, "attention_mask": mask}
+        if "token_type_ids" in art.input_names:
+            inputs["token_type_ids"] = torch.zeros_like(ids)  # one segment per prompt
+        started = time.perf_counter()
+        out = self.rbln_model(**inputs)
+        self.stats.device_seconds += time.perf_counter() - started
+        tokens = sum(len(p) for p in prompts)
+        self.stats.prefill_steps += 1
+        self.stats.prefill_requests += len(prompts)
+        self.stats.prefill_tokens += tokens
+        self.stats.padded_rows += art.batch_size - len(prompts)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return hidden.float()
+
+    @staticmethod
+    def _metadata(news: list[Any], prompts: list[list[int]]) -> PoolingMetadata:
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
+        width = max(len(p) for p in prompts)
+        token_ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            token_ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        metadata = PoolingMetadata(
+            prompt_lens=lens,
+            prompt_token_ids=token_ids,
+            prompt_token_ids_cpu=token_ids,
+            pooling_params=[n.pooling_params for n in news],
+            pooling_states=[PoolingStates() for _ in news],
+        )
+        metadata.build_pooling_cursor(lens.numpy().astype(np.int64), lens, torch.device("cpu"))
+        return metadata
