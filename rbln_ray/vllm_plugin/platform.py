@@ -307,6 +307,14 @@ class RBLNPlatform(CpuPlatform):
     device_name = "rbln"
     ray_device_key = "RBLN"
     device_control_env_var = "RBLN_DEVICES"
+    # vLLM's small host-side helpers (its CPU sampler's random sample, logprobs) are
+    # torch.compile'd with this backend. The device work is compiled by rebel, never by
+    # inductor, and "inductor" would build C++ in every engine process at its first sampled
+    # step (seconds per replica start) into the machine-wide cache /tmp/torchinductor_root,
+    # where a process killed mid-build (a replica stopped while it starts) leaves a truncated
+    # .so that fails every later process on the machine ("file too short"; seen in a
+    # redeploy test). Eager runs the same ops.
+    simple_compile_backend = "eager"
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
