@@ -7,7 +7,7 @@ Example (YAML)::
     port: 8000
     api_key: null            # or a string; `api_key_env` names an env var instead
     routing: load_aware      # or prefix_affinity
-    ingress: {num_replicas: 1, max_ongoing_requests: 4096}
+    ingress: {num_replicas: 1, max_ongoing_requests: 4096, graceful_shutdown_timeout_s: 600}
     models:
       - name: demo
         model: demo          # "demo", a compiled optimum-rbln dir, or an HF dir
@@ -15,6 +15,8 @@ Example (YAML)::
         num_replicas: 2      # or autoscaling_config: {min_replicas: 1, max_replicas: 4}
         placement_strategy: PACK
         engine_kwargs: {}    # any `vllm serve` option, by its Python name
+      - name: embed          # an encoder (BERT): /v1/embeddings and /v1/score
+        model: /models/bert-compiled
 """
 
 from __future__ import annotations
