@@ -26,7 +26,7 @@ def test_embeddings_match_vllm_cpu() -> None:
     }
     ours = run_script("vllm_embed.py", json.dumps(spec))
     plain = plain_vllm_embeddings(build_tiny_encoder(), TEXTS, QUERY)
-    assert ours["tasks"] == plain["tasks"] and "embed" in ours["tasks"]
+    assert set(ours["tasks"]) == set(plain["tasks"]) and "embed" in ours["tasks"]
     assert ours["prompt_lens"] == plain["prompt_lens"]
     assert_embeddings_match(ours["embeddings"], plain["embeddings"])
     for got, want in zip(ours["scores"], plain["scores"], strict=True):
