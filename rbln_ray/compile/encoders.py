@@ -9,7 +9,8 @@ compile call and the artifact fields differ from a decoder's in every line.
 
 Supported means what it means in the zoo: a tiny model of the family, built locally by
 :func:`rbln_ray.models.build_tiny_encoder`, compiled with optimum-rbln 0.12 on the emulator and
-served by ``vllm.LLM(runner="pooling")`` gives plain vLLM-CPU's embeddings (``verified_by``).
+served by ``vllm.LLM(runner="pooling")`` gives plain vLLM-CPU's embeddings
+(``tests/vllm_plugin/test_embeddings.py``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from rbln_ray.common.artifact_files import RBLN_CONFIG
 
 logger = logging.getLogger(__name__)
 
-EMBED_TEST = "tests/vllm_plugin/test_embeddings.py::test_embeddings_match_vllm_cpu"
-
 
 @dataclass(frozen=True)
 class EncoderFamily:
@@ -35,7 +34,6 @@ class EncoderFamily:
     architecture: str  # ``config.json`` ``architectures[0]``
     optimum_class: str
     input_names: tuple[str, ...]  # the compiled graph's inputs, in order
-    verified_by: str = ""
 
     @property
     def config_class(self) -> str:
@@ -48,7 +46,6 @@ ENCODERS: dict[str, EncoderFamily] = {
         architecture="BertModel",
         optimum_class="RBLNBertModel",
         input_names=("input_ids", "attention_mask", "token_type_ids"),
-        verified_by=EMBED_TEST,
     ),
 }
 

@@ -45,7 +45,9 @@ class RBLNPoolingRunner:
         self.supported_tasks = tuple(sorted(self.pooler.get_supported_tasks()))
         self.pad_id = 0  # masked out: never attended to, never pooled
         self.stats = StepStats()
-        self.requests: dict[str, int] = {}  # in this step (an encoder holds nothing after it)
+        # Requests held between steps (the worker's slots-in-use gauge reads it): an encoder
+        # finishes every request in the step that schedules it, so none.
+        self.requests: dict[str, int] = {}
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Encode and pool every prompt of the step; each request finishes here."""
@@ -72,13 +74,11 @@ class RBLNPoolingRunner:
                     f"request {new.req_id}: {len(prompt)} tokens exceed the compiled "
                     f"max_seq_len={art.max_seq_len}"
                 )
-        self.requests = {n.req_id: len(p) for n, p in zip(news, prompts, strict=True)}
         hidden = self._encode(prompts)
         lens = [len(p) for p in prompts]
         flat = torch.cat([hidden[i, :n] for i, n in enumerate(lens)])
         metadata = self._metadata(news, prompts)
         pooled = self.pooler(hidden_states=flat, pooling_metadata=metadata)
-        self.requests = {}
         req_ids = [n.req_id for n in news]
         return ModelRunnerOutput(
             req_ids=req_ids,
