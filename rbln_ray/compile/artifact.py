@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rbln_ray.common.artifact_files import PIPELINE_MANIFEST, RBLN_CONFIG
+from rbln_ray.compile.encoders import EncoderArtifact, encoder_for_dir
 
 # A staged (pipeline-parallel) directory's manifest has the same shape keys as rbln_config.json
 # (see pipeline_manifest.py), so one reader serves both.
@@ -119,6 +120,14 @@ def _prefill_resumable(cls_name: str) -> bool:
 
     family = family_for_config_class(cls_name)
     return family.prefill_resumable if family is not None else True
+
+
+def load_artifact(path: str | Path) -> CompiledArtifact | EncoderArtifact:
+    """A compiled directory's artifact: an encoder's (by its ``config.json`` architecture) or
+    a decoder's."""
+    if encoder_for_dir(path) is not None:
+        return EncoderArtifact.load(path)
+    return CompiledArtifact.load(path)
 
 
 def is_compiled_dir(path: str | Path) -> bool:

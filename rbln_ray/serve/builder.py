@@ -15,8 +15,8 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from rbln_ray.compile import CompileSettings
-from rbln_ray.compile.artifact import CompiledArtifact, is_compiled_dir
-from rbln_ray.compile.encoders import EncoderArtifact, encoder_for_dir
+from rbln_ray.compile.artifact import CompiledArtifact, is_compiled_dir, load_artifact
+from rbln_ray.compile.encoders import EncoderArtifact
 from rbln_ray.serve.capacity import ReplicaShape, wait_placeable
 from rbln_ray.serve.config import (
     DEMO_MODEL,
@@ -39,9 +39,7 @@ def served_artifact(cfg: ModelDeploymentConfig) -> CompiledArtifact | EncoderArt
     compiles at start (demo, HF dir), with the settings in ``cfg.compile``."""
     if cfg.model == DEMO_MODEL or not is_compiled_dir(cfg.model):
         return None
-    if encoder_for_dir(cfg.model) is not None:
-        return EncoderArtifact.load(cfg.model)
-    return CompiledArtifact.load(cfg.model)
+    return load_artifact(cfg.model)
 
 
 def worker_layout(cfg: ModelDeploymentConfig) -> tuple[int, int]:

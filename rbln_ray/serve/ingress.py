@@ -243,8 +243,8 @@ class OpenAIIngress:
         parsed = await self._parse(request, model_cls)
         if isinstance(parsed, Response):
             return parsed
-        encoding = getattr(parsed, "encoding_format", None)
-        if method == "embeddings" and encoding not in ("float", "base64"):
+        encoding = getattr(parsed, "encoding_format", None)  # embedding requests have one
+        if encoding not in (None, "float", "base64"):
             # vLLM's bytes encodings stream raw tensors, which the replica does not relay.
             return error_response(400, f"encoding_format={encoding!r}: use 'float' or 'base64'")
         return await self._relay(parsed, method)

@@ -15,28 +15,20 @@ from rbln_ray.compile.encoders import EncoderArtifact
 logger = logging.getLogger(__name__)
 
 
-def load_compiled_model(artifact: CompiledArtifact, device_ids: Sequence[int]) -> Any:
-    """Load the optimum-rbln model with runtimes on ``device_ids`` (visible-device indices)."""
-    from rbln_ray.emulator import require_runtime
-
-    require_runtime("load a compiled model")
-    from optimum.rbln import RBLNAutoModelForCausalLM
-
-    device: int | list[int] = device_ids[0] if len(device_ids) == 1 else list(device_ids)
-    logger.info("loading %s on RBLN device(s) %s", artifact.path, device)
-    return RBLNAutoModelForCausalLM.from_pretrained(
-        str(artifact.path), export=False, rbln_device=device
-    )
-
-
-def load_compiled_encoder(artifact: EncoderArtifact, device_ids: Sequence[int]) -> Any:
-    """Load a compiled encoder with its optimum-rbln class on ``device_ids``."""
+def load_compiled_model(
+    artifact: CompiledArtifact | EncoderArtifact, device_ids: Sequence[int]
+) -> Any:
+    """Load the optimum-rbln model with runtimes on ``device_ids`` (visible-device indices): a
+    decoder through ``RBLNAutoModelForCausalLM``, an encoder through its family's class."""
     from rbln_ray.emulator import require_runtime
 
     require_runtime("load a compiled model")
     import optimum.rbln
 
-    cls = getattr(optimum.rbln, artifact.family.optimum_class)
+    if isinstance(artifact, EncoderArtifact):
+        cls = getattr(optimum.rbln, artifact.family.optimum_class)
+    else:
+        cls = optimum.rbln.RBLNAutoModelForCausalLM
     device: int | list[int] = device_ids[0] if len(device_ids) == 1 else list(device_ids)
-    logger.info("loading encoder %s on RBLN device(s) %s", artifact.path, device)
+    logger.info("loading %s on RBLN device(s) %s", artifact.path, device)
     return cls.from_pretrained(str(artifact.path), export=False, rbln_device=device)

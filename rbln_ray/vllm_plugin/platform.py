@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 from vllm.platforms.cpu import CpuPlatform
 
-from rbln_ray.compile.artifact import CompiledArtifact
-from rbln_ray.compile.encoders import EncoderArtifact, encoder_for_dir
+from rbln_ray.compile.artifact import CompiledArtifact, load_artifact
+from rbln_ray.compile.encoders import EncoderArtifact
 from rbln_ray.vllm_plugin.driver_cluster import remember_driver_cluster
 from rbln_ray.vllm_plugin.kv_blocks import BlockLayout
 from rbln_ray.vllm_plugin.options import COMPILED_DIR_KEY, RBLNOptions, record
@@ -76,16 +76,16 @@ def compiled_artifact(vllm_config: VllmConfig) -> CompiledArtifact:
     return CompiledArtifact.load(compiled_dir(vllm_config))
 
 
-def compiled_encoder(vllm_config: VllmConfig) -> EncoderArtifact | None:
-    """The engine's compiled encoder, or None when the model is a decoder."""
-    path = compiled_dir(vllm_config)
-    return EncoderArtifact.load(path) if encoder_for_dir(path) is not None else None
-
-
 def compiled_model(vllm_config: VllmConfig) -> CompiledArtifact | EncoderArtifact:
     """The engine's compiled decoder or encoder, for what both have (``num_devices``,
     ``num_stages``, ``batch_size``): the executor's placement, for one."""
-    return compiled_encoder(vllm_config) or compiled_artifact(vllm_config)
+    return load_artifact(compiled_dir(vllm_config))
+
+
+def compiled_encoder(vllm_config: VllmConfig) -> EncoderArtifact | None:
+    """The engine's compiled encoder, or None when the model is a decoder."""
+    art = compiled_model(vllm_config)
+    return art if isinstance(art, EncoderArtifact) else None
 
 
 def _sync_model_len(vllm_config: VllmConfig, art: CompiledArtifact | EncoderArtifact) -> None:
@@ -256,8 +256,7 @@ def _sync_executor(vllm_config: VllmConfig) -> None:
         remember_driver_cluster(vllm_config)
 
 
-def _sync_decoder(vllm_config: VllmConfig) -> None:
-    art = compiled_artifact(vllm_config)
+def _sync_decoder(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
     if vllm_config.model_config.runner_type == "pooling":
         raise RBLNConfigError(
             f"{art.path} is a compiled decoder ({art.cls_name}); the pooling runner serves "
@@ -331,11 +330,11 @@ class RBLNPlatform(CpuPlatform):
         if vllm_config.model_config is None:
             return
         RBLNOptions.from_vllm_config(vllm_config)  # invalid options fail here, in the driver
-        encoder = compiled_encoder(vllm_config)
-        if encoder is not None:
-            _sync_encoder(vllm_config, encoder)
+        art = compiled_model(vllm_config)
+        if isinstance(art, EncoderArtifact):
+            _sync_encoder(vllm_config, art)
         else:
-            _sync_decoder(vllm_config)
+            _sync_decoder(vllm_config, art)
         vllm_config.model_config.disable_cascade_attn = True
         vllm_config.compilation_config.mode = CompilationMode.NONE
         vllm_config.compilation_config.cudagraph_capture_sizes = []

@@ -74,10 +74,16 @@ class RBLNPoolingRunner:
                     f"request {new.req_id}: {len(prompt)} tokens exceed the compiled "
                     f"max_seq_len={art.max_seq_len}"
                 )
-        hidden = self._encode(prompts)
         lens = [len(p) for p in prompts]
+        # Padded once: the device call takes all rows, vLLM's pooler the real ones.
+        ids = torch.full((art.batch_size, art.max_seq_len), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, prompt in enumerate(prompts):
+            ids[i, : lens[i]] = torch.tensor(prompt, dtype=torch.long)
+            mask[i, : lens[i]] = 1
+        hidden = self._encode(ids, mask, lens)
         flat = torch.cat([hidden[i, :n] for i, n in enumerate(lens)])
-        metadata = self._metadata(news, prompts)
+        metadata = self._metadata(news, ids[: len(lens)], lens)
         pooled = self.pooler(hidden_states=flat, pooling_metadata=metadata)
         req_ids = [n.req_id for n in news]
         return ModelRunnerOutput(
@@ -86,41 +92,34 @@ class RBLNPoolingRunner:
             pooler_output=[p.to("cpu") if p is not None else None for p in pooled],
         )
 
-    def _encode(self, prompts: list[list[int]]) -> torch.Tensor:
-        """One compiled call: ``[batch_size, max_seq_len]`` in, every position's hidden out."""
+    def _encode(self, ids: torch.Tensor, mask: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        """One compiled call on the padded ``[batch_size, max_seq_len]`` inputs (the first
+        ``len(lens)`` rows real): every position's hidden state."""
         art = self.artifact
-        ids = torch.full((art.batch_size, art.max_seq_len), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, prompt in enumerate(prompts):
-            ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-            mask[i, : len(prompt)] = 1
         inputs = {"input_ids": ids, "attention_mask": mask}
         if "token_type_ids" in art.input_names:
             inputs["token_type_ids"] = torch.zeros_like(ids)  # one segment per prompt
         started = time.perf_counter()
         out = self.rbln_model(**inputs)
         self.stats.device_seconds += time.perf_counter() - started
-        tokens = sum(len(p) for p in prompts)
         self.stats.prefill_steps += 1
-        self.stats.prefill_requests += len(prompts)
-        self.stats.prefill_tokens += tokens
-        self.stats.padded_rows += art.batch_size - len(prompts)
+        self.stats.prefill_requests += len(lens)
+        self.stats.prefill_tokens += sum(lens)
+        self.stats.padded_rows += art.batch_size - len(lens)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return hidden.float()
 
     @staticmethod
-    def _metadata(news: list[Any], prompts: list[list[int]]) -> PoolingMetadata:
-        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
-        width = max(len(p) for p in prompts)
-        token_ids = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            token_ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    def _metadata(news: list[Any], token_ids: torch.Tensor, lens: list[int]) -> PoolingMetadata:
+        """vLLM's pooling metadata of the step (``token_ids``: one padded row per prompt)."""
+        prompt_lens = torch.tensor(lens, dtype=torch.int32)
         metadata = PoolingMetadata(
-            prompt_lens=lens,
+            prompt_lens=prompt_lens,
             prompt_token_ids=token_ids,
             prompt_token_ids_cpu=token_ids,
             pooling_params=[n.pooling_params for n in news],
             pooling_states=[PoolingStates() for _ in news],
         )
-        metadata.build_pooling_cursor(lens.numpy().astype(np.int64), lens, torch.device("cpu"))
+        scheduled = np.array(lens, dtype=np.int64)  # whole prompts: scheduled == prompt length
+        metadata.build_pooling_cursor(scheduled, prompt_lens, torch.device("cpu"))
         return metadata

@@ -12,7 +12,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 from rbln_ray.compile.encoders import EncoderArtifact
-from rbln_ray.vllm_plugin.loader import load_compiled_encoder
+from rbln_ray.vllm_plugin.loader import load_compiled_model
 from rbln_ray.vllm_plugin.platform import compiled_encoder
 from rbln_ray.vllm_plugin.pooling_runner import RBLNPoolingRunner
 from rbln_ray.vllm_plugin.worker import RBLNWorker
@@ -31,7 +31,7 @@ class RBLNPoolingWorker(RBLNWorker):
         self.artifact = encoder
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
-        model = load_compiled_encoder(self.artifact, self.device_ids)
+        model = load_compiled_model(self.artifact, self.device_ids)
         self.model_runner = RBLNPoolingRunner(self.vllm_config, self.artifact, model)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:

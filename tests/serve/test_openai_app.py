@@ -248,7 +248,7 @@ def test_embeddings_and_scores_beside_chat_match_vllm_cpu(demo_app: RunningApp) 
     import openai
 
     from tests.embeddings import QUERY, TEXTS, assert_embeddings_match
-    from tests.helpers import plain_vllm_embeddings
+    from tests.helpers import vllm_embeddings
 
     client = openai.OpenAI(base_url=f"{demo_app.url}/v1", api_key=API_KEY, max_retries=0)
     chat = {"model": "demo", "max_tokens": 32, "temperature": 0}
@@ -269,7 +269,7 @@ def test_embeddings_and_scores_beside_chat_match_vllm_cpu(demo_app: RunningApp) 
         replies = {c.result().choices[0].message.content for c in chats}
         response, score = embedded.result(), scored.result()
     assert len(replies) == 1 and replies.pop(), "greedy chat replies differ or are empty"
-    plain = plain_vllm_embeddings(demo_app.embed_model_dir, TEXTS, QUERY)
+    plain = vllm_embeddings(demo_app.embed_model_dir, TEXTS, QUERY)
     assert response.model == "embed" and response.usage.prompt_tokens == sum(
         plain["prompt_lens"]
     )

