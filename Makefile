@@ -11,9 +11,12 @@ PEER_STAMP := $(PEER)/.peer-installed
 # Debian's Prometheus binary for the metrics test (its rule, below, says why there).
 PROMETHEUS := $(BIN)/prometheus
 
-.PHONY: setup peer-env test test-fast lint demo clean ssh-test-tools
+.PHONY: setup install peer-env test test-fast lint demo clean ssh-test-tools
 
-setup: $(STAMP) $(ALIAS_STAMP) $(PEER_STAMP) ssh-test-tools $(PROMETHEUS)
+setup: install $(PEER_STAMP) ssh-test-tools $(PROMETHEUS)
+
+# What a cluster node needs (the `ray up` configs' setup command): the stack, no test tools.
+install: $(STAMP) $(ALIAS_STAMP)
 
 peer-env: $(PEER_STAMP)
 

@@ -7,6 +7,8 @@ import importlib
 import ipaddress
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -81,7 +83,7 @@ def test_ray_up_config_passes_rays_validation(path: Path):
         assert '--temp-dir="$RAY_TMPDIR"' in start
     assert '--node-ip-address="$RBLN_RAY_NODE_IP"' in workers
     setup = " ".join(prepared["setup_commands"])
-    assert "make -C ~/rbln-ray/src setup" in setup and ".rbln-ray-installed" in setup
+    assert "make -C ~/rbln-ray/src install" in setup and ".rbln-ray-installed" in setup
     if "emulated" in path.name:
         assert "RBLN_RAY_DEVICE=emulated" in head and "RBLN_RAY_DEVICE=emulated" in workers
         assert """--resources='{"RBLN": 2}'""" in workers
@@ -123,6 +125,33 @@ def test_atom_and_emulated_configs_differ_only_where_hardware_needs_it():
     for head, key in ((True, "head_start_ray_commands"), (False, "worker_start_ray_commands")):
         a, e = ray_start(atom[key], head), ray_start(emu[key], head)
         assert start_flags(a) ^ start_flags(e) <= hardware[head], start_flags(a) ^ start_flags(e)
+
+
+def test_file_mounts_ship_what_make_install_needs_and_no_venv(tmp_path: Path):
+    """The checkout's paths the configs ship (both configs ship the same, tested above) are
+    enough for the nodes' `make install` and small: `ray up` hashes every byte of them."""
+    mounts = yaml.safe_load(RAY_UP[0].read_text())["file_mounts"]
+    src = {r: loc for r, loc in mounts.items() if r.startswith("~/rbln-ray/src/")}
+    node = tmp_path / "src"
+    node.mkdir()
+    size = 0
+    for remote, local in src.items():
+        assert local.startswith("./") and remote == f"~/rbln-ray/src/{local[2:]}", remote
+        path = ROOT / local
+        files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+        assert files and not any(".venv" in f.parts for f in files), local
+        size += sum(f.stat().st_size for f in files)
+        copy = shutil.copy2 if path.is_file() else shutil.copytree
+        copy(path, node / local[2:])
+    assert size < 20 * 2**20, f"{size / 2**20:.0f} MiB shipped to every node"
+    readme = re.search(r'^readme = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert readme and (node / readme[1]).is_file()  # `pip install -e .` reads it
+    dry = subprocess.run(
+        ["make", "-n", "-C", str(node), "install", f"VENV={tmp_path / 'venv'}"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert dry.returncode == 0, dry.stderr  # e.g. "No rule to make target 'requirements.txt'"
+    assert "pip install -r requirements.txt" in dry.stdout
 
 
 @pytest.mark.parametrize("path", RAY_UP, ids=lambda p: p.name)

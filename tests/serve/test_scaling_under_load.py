@@ -3,7 +3,8 @@
 One cluster and one app for the module (issue 18, acceptance 5): a head (dashboard, Serve
 controller and proxy, no RBLN) and two worker raylets with one emulated ATOM each, so at most
 two replicas of the tiny model fit. The app is deployed as operators do, with
-``serve deploy`` of a config file to the head's dashboard; the tests run in file order:
+``serve deploy`` of a config file to the head's dashboard (the second test deploys the first's
+app itself when run alone):
 
 1. ``autoscaling_config`` (min 1, max 3): under load Serve scales 1 -> 2, the third replica
    finds no free device and waits (Serve says so in the deployment's status message and the
@@ -39,11 +40,18 @@ SERVE_CLI = str(Path(sys.executable).parent / "serve")
 # Serve warns about (and reports in the status) replicas waiting for resources after 30 s by
 # default; a short threshold keeps the test short. Read by the Serve controller at start.
 WAIT_WARNING_S = 5
+# At the autoscaler's target per replica: the one running replica holds them all.
+REDEPLOY_CLIENTS = 4
+# Two replica starts one after the other (the second needs the old replica's device), each
+# ~80 s alone on this 2-core machine and up to ~3x that beside another test file: a hang guard.
+REDEPLOY_DEADLINE_S = 780
 AUTOSCALING = {
     "min_replicas": 1,
     "max_replicas": 3,
     "initial_replicas": 1,
-    "target_ongoing_requests": 2,
+    # 16 clients ask for 4 replicas (capped at 3: the third waits for a device); 4 clients
+    # ask for 1, so the redeploy test's traffic starts no replica the redeploy then discards.
+    "target_ongoing_requests": 4,
     "metrics_interval_s": 0.5,
     "look_back_period_s": 2,
     "upscale_delay_s": 1,
@@ -223,19 +231,23 @@ def test_autoscaling_up_under_load_waits_for_devices_and_back_down(cluster: Clus
     print(f"{len(load.outcomes)} requests, 0 failed; back to 1 replica {down:.0f} s after idle")
 
 
+@pytest.mark.timeout(1200)  # the redeploy's own deadline, and the traffic around it
 def test_redeploy_under_load_loses_no_request(cluster: Cluster) -> None:
     """``serve deploy`` of a changed replica count (autoscaling -> ``num_replicas: 2``) while
     traffic runs. The app's ``args`` change, so Serve rebuilds it and replaces every replica
     (ingress included) one by one: old ones drain what they hold while new ones start."""
     import ray
 
-    with Load(cluster.url, clients=12) as load:
+    if not app_running():  # run on its own: the autoscaling app the first test leaves
+        cluster.deploy({"model": str(cluster.model_dir), "autoscaling_config": AUTOSCALING})
+        wait_for(app_running, 600, "app RUNNING")
+    with Load(cluster.url, clients=REDEPLOY_CLIENTS) as load:
         wait_for(lambda: len(load.outcomes) >= 4, 300, "traffic flowing")
         before = len(load.outcomes)
         cluster.deploy({"model": str(cluster.model_dir), "num_replicas": 2})
         wait_for(
             lambda: replicas() == 2 and app_running() and replicas("STOPPING") == 0,
-            600,
+            REDEPLOY_DEADLINE_S,
             "redeployed with 2 replicas",
         )
         mark = len(load.outcomes)
