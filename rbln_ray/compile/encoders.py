@@ -34,6 +34,11 @@ class EncoderFamily:
     architecture: str  # ``config.json`` ``architectures[0]``
     optimum_class: str
     input_names: tuple[str, ...]  # the compiled graph's inputs, in order
+    # What the compiled graph returns, so which of vLLM's poolers takes it: "embed" (every
+    # position's hidden state; vLLM pools and normalises) or "classify" (the sequence
+    # classifier's logits, head included; vLLM applies the activation: a cross-encoder's
+    # relevance score, ``/v1/score`` and ``/v1/rerank``).
+    task: str = "embed"
 
     @property
     def config_class(self) -> str:
@@ -46,6 +51,28 @@ ENCODERS: dict[str, EncoderFamily] = {
         architecture="BertModel",
         optimum_class="RBLNBertModel",
         input_names=("input_ids", "attention_mask", "token_type_ids"),
+    ),
+    # e.g. BAAI/bge-m3, multilingual-e5
+    "xlm-roberta": EncoderFamily(
+        name="xlm-roberta",
+        architecture="XLMRobertaModel",
+        optimum_class="RBLNXLMRobertaModel",
+        input_names=("input_ids", "attention_mask"),
+    ),
+    # Cross-encoder rerankers, e.g. BAAI/bge-reranker-v2-m3 (no segment ids: RoBERTa has one)
+    "xlm-roberta-reranker": EncoderFamily(
+        name="xlm-roberta-reranker",
+        architecture="XLMRobertaForSequenceClassification",
+        optimum_class="RBLNXLMRobertaForSequenceClassification",
+        input_names=("input_ids", "attention_mask"),
+        task="classify",
+    ),
+    "roberta-reranker": EncoderFamily(
+        name="roberta-reranker",
+        architecture="RobertaForSequenceClassification",
+        optimum_class="RBLNRobertaForSequenceClassification",
+        input_names=("input_ids", "attention_mask"),
+        task="classify",
     ),
 }
 

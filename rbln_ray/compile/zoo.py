@@ -299,7 +299,7 @@ def family_for_architectures(archs: Iterable[str], where: str = "model") -> Mode
         f"{where}: architecture {archs or 'unknown'} is not supported by rbln-ray"
         + (f" ({'; '.join(reasons)})" if reasons else "")
         + f"; supported: {', '.join(supported_architectures())}"
-        + f"; for embeddings: {', '.join(f.architecture for f in ENCODERS.values())}"
+        + f"; for embeddings and scores: {', '.join(f.architecture for f in ENCODERS.values())}"
     )
 
 

@@ -16,8 +16,10 @@ import copy
 import logging
 import math
 import os
+import pickle
 import uuid
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,16 @@ def _snapshot(module: torch.nn.Module) -> torch.nn.Module:
     for tensor in list(module.parameters()) + list(module.buffers()):
         memo[id(tensor)] = tensor
     return copy.deepcopy(module, memo)
+
+
+def graph_outputs(result: Any) -> list[torch.Tensor]:
+    """A graph's outputs as a compiled graph returns them: a flat list of tensors. A module
+    that returns a mapping (a transformers ``ModelOutput``, e.g. a classifier's
+    ``SequenceClassifierOutput`` when its ``return_dict`` cannot be switched off) gives its
+    values in order, as tracing flattens it."""
+    if isinstance(result, Mapping):
+        return [v for v in result.values() if v is not None]
+    return list(result) if isinstance(result, (tuple, list)) else [result]
 
 
 def _weight_bytes(module: torch.nn.Module) -> int:
@@ -116,7 +128,17 @@ class RBLNCompiledModel:
     def save(self, path: str | os.PathLike[str]) -> None:
         path = Path(path)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        torch.save(self._p, tmp)
+        try:
+            torch.save(self._p, tmp)
+        except (AttributeError, pickle.PicklingError):
+            # rebel stores a compiled graph, which holds no Python classes; the emulator stores
+            # the module itself, and a wrapper class defined inside a function (optimum-rbln
+            # 0.12's generic RBLNTransformerEncoder._wrap_model_if_needed, for XLM-R, RoBERTa,
+            # ...) cannot be pickled by reference: cloudpickle stores that class by value.
+            # The file still loads with torch.load (cloudpickle's reconstructors are importable).
+            import cloudpickle
+
+            torch.save(self._p, tmp, pickle_module=cloudpickle)
         os.replace(tmp, path)
 
     # -- contract -------------------------------------------------------------------------

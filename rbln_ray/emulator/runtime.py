@@ -22,7 +22,7 @@ import torch
 
 from rbln_ray.common.dtypes import torch_dtype
 from rbln_ray.emulator import call_log, devices, reports, threads, timing
-from rbln_ray.emulator.compiled_model import RBLNCompiledModel
+from rbln_ray.emulator.compiled_model import RBLNCompiledModel, graph_outputs
 from rbln_ray.emulator.kv_host import KVHostTransfer, check_blocks, check_slots
 from rbln_ray.npu import kinds
 
@@ -166,11 +166,27 @@ class Runtime(KVHostTransfer):
         self._timing = timing.GraphTiming(compiled_model) if timing.timing_enabled() else None
         logger.debug("emulated runtime on devices %s (node %s)", physical, node)
 
-    def __call__(self, *inputs: torch.Tensor, out: Any = None) -> Any:
-        return self.run(*inputs, out=out)
+    def __call__(self, *inputs: torch.Tensor, out: Any = None, **named: torch.Tensor) -> Any:
+        return self.run(*inputs, out=out, **named)
 
-    def run(self, *inputs: torch.Tensor, out: Any = None) -> Any:
+    def _bind(self, inputs: tuple[torch.Tensor, ...], named: dict[str, torch.Tensor]) -> tuple:
+        """Inputs by position, then by their compiled names (optimum-rbln's generic encoders
+        call ``runtime(input_ids=..., attention_mask=...)``), in the compiled order."""
+        names = [n for n, _, _ in self._cm.input_info]
+        unknown = sorted(set(named) - set(names))
+        twice = sorted(set(named) & set(names[: len(inputs)]))
+        if unknown or twice:
+            problem = f"unknown inputs {unknown}" if unknown else f"inputs {twice} given twice"
+            raise ValueError(f"{problem}; the compiled inputs are {names}")
+        missing = [n for n in names[len(inputs) :] if n not in named]
+        if missing and named:
+            raise ValueError(f"missing inputs {missing}; the compiled inputs are {names}")
+        return (*inputs, *(named[n] for n in names[len(inputs) :] if n in named))
+
+    def run(self, *inputs: torch.Tensor, out: Any = None, **named: torch.Tensor) -> Any:
         entered = time.perf_counter()
+        if named:
+            inputs = self._bind(inputs, named)
         if len(inputs) != self._num_inputs:
             names = [n for n, _, _ in self._cm.input_info]
             raise ValueError(f"expected {self._num_inputs} inputs {names}, got {len(inputs)}")
@@ -186,7 +202,7 @@ class Runtime(KVHostTransfer):
         else:
             with torch.no_grad(), threads.device_threads():
                 result = self._module(*inputs, *self._kv)
-            outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+            outputs = graph_outputs(result)
             call_log.record_call(start, inputs)
         computed = time.perf_counter()
         if out is not None:

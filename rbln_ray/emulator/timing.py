@@ -30,6 +30,7 @@ from typing import Any
 from rbln_ray.common import envs
 from rbln_ray.common.artifact_files import PIPELINE_MANIFEST
 from rbln_ray.emulator.call_log import describe, record_call, record_copy
+from rbln_ray.emulator.compiled_model import graph_outputs
 from rbln_ray.npu.cost_model import (
     PRESETS,
     CallCost,
@@ -133,7 +134,7 @@ def _output_specs(module: Any, inputs: tuple[Any, ...], kv: list[Any]):
         logger.debug("fake-tensor shape pass failed; running the graph once", exc_info=True)
         with torch.no_grad():
             result = module(*[t.clone() for t in inputs], *[t.clone() for t in kv])
-    outs = list(result) if isinstance(result, (tuple, list)) else [result]
+    outs = graph_outputs(result)
     return [(tuple(o.shape), o.dtype) for o in outs]
 
 

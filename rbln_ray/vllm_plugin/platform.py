@@ -277,8 +277,8 @@ def _sync_encoder(vllm_config: VllmConfig, art: EncoderArtifact) -> None:
     model_config = vllm_config.model_config
     if model_config.runner_type != "pooling":
         raise RBLNConfigError(
-            f"{art.path} is a compiled {art.family.architecture} encoder: it serves embeddings "
-            "(runner='pooling'), not text generation"
+            f"{art.path} is a compiled {art.family.architecture} encoder: it serves "
+            "embeddings or scores (runner='pooling'), not text generation"
         )
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:

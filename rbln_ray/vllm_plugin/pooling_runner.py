@@ -1,5 +1,7 @@
 """RBLN pooling runner: a vLLM step of whole prompts → one compiled encoder call → vLLM's pooler.
 
+Embedding models and cross-encoder rerankers alike (``EncoderFamily.task``).
+
 Each step holds up to the compiled ``batch_size`` new prompts (vLLM's scheduler, configured by
 the platform: no chunking, ``max_num_seqs = batch_size``). They are padded to the compiled
 ``[batch_size, max_seq_len]`` shape with an attention mask that hides the padding, run in one
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.pooler import DispatchPooler
+from vllm.model_executor.layers.pooler.seqwise import pooler_for_classify
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.pool.metadata import PoolingMetadata, PoolingStates
@@ -41,9 +44,18 @@ class RBLNPoolingRunner:
         if model_config.pooler_config is None:
             raise RuntimeError(f"{artifact.path}: the engine has no pooler_config")
         with set_current_vllm_config(vllm_config):  # vLLM's pooler reads it while building
-            self.pooler = DispatchPooler.for_embedding(model_config.pooler_config)
+            if artifact.family.task == "classify":
+                # The compiled graph ends in the model's sequence classifier: no head left to
+                # apply, and no per-token states to classify (so no "token_classify").
+                self.pooler = DispatchPooler(
+                    {"classify": pooler_for_classify(model_config.pooler_config)}
+                )
+            else:
+                self.pooler = DispatchPooler.for_embedding(model_config.pooler_config)
         self.supported_tasks = tuple(sorted(self.pooler.get_supported_tasks()))
-        self.pad_id = 0  # masked out: never attended to, never pooled
+        # Masked out (never attended to, never pooled); the model's own padding id, since
+        # RoBERTa numbers its positions from the tokens that are not padding.
+        self.pad_id = getattr(model_config.hf_config, "pad_token_id", None) or 0
         self.stats = StepStats()
         # Requests held between steps (the worker's slots-in-use gauge reads it): an encoder
         # finishes every request in the step that schedules it, so none.
@@ -94,7 +106,7 @@ class RBLNPoolingRunner:
 
     def _encode(self, ids: torch.Tensor, mask: torch.Tensor, lens: list[int]) -> torch.Tensor:
         """One compiled call on the padded ``[batch_size, max_seq_len]`` inputs (the first
-        ``len(lens)`` rows real): every position's hidden state."""
+        ``len(lens)`` rows real): every position's hidden state (or its sequence's logits)."""
         art = self.artifact
         inputs = {"input_ids": ids, "attention_mask": mask}
         if "token_type_ids" in art.input_names:
@@ -106,6 +118,11 @@ class RBLNPoolingRunner:
         self.stats.prefill_requests += len(lens)
         self.stats.prefill_tokens += sum(lens)
         self.stats.padded_rows += art.batch_size - len(lens)
+        if self.artifact.family.task == "classify":
+            # One row of logits per sequence, repeated over its positions: whichever of its
+            # tokens vLLM's sequence pooler takes (CLS, last, mean), it takes the logits.
+            logits = out.logits if hasattr(out, "logits") else out[0]
+            return logits.float()[:, None, :].expand(-1, art.max_seq_len, -1)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return hidden.float()
 

@@ -268,3 +268,34 @@ def test_device_calls_use_the_emulated_device_threads(monkeypatch):
     assert rt(torch.zeros(1)).item() == host
     del rt
     gc.collect()
+
+
+# ---------------------------------------------------------------------------- inputs by name
+def _local_module_class() -> type[torch.nn.Module]:
+    """A module class defined inside a function, as optimum-rbln's generic encoder wrapper is
+    (``RBLNTransformerEncoder._wrap_model_if_needed``): not picklable by reference."""
+
+    class Wrapper(torch.nn.Module):
+        def forward(self, a, b):
+            return a * 10 + b
+
+    return Wrapper
+
+
+def test_inputs_by_name_and_a_function_local_module_survive_save_and_load(tmp_path):
+    info = [("a", [2], "float32"), ("b", [2], "float32")]
+    path = tmp_path / "graph.rbln"
+    rebel.compile_from_torch(_local_module_class()(), info).save(str(path))
+    rt = rebel.Runtime(rebel.RBLNCompiledModel(str(path)), device=0)
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
+    want = [13.0, 24.0]
+    assert rt(b=b, a=a).tolist() == want  # by name, in any order
+    assert rt(a, b=b).tolist() == want  # by position, then by name
+    with pytest.raises(ValueError, match=r"unknown inputs \['c'\].*\['a', 'b'\]"):
+        rt(a=a, c=b)
+    with pytest.raises(ValueError, match=r"inputs \['a'\] given twice"):
+        rt(a, a=a)
+    with pytest.raises(ValueError, match=r"missing inputs \['b'\]"):
+        rt(a=a)
+    del rt
+    gc.collect()

@@ -1,24 +1,27 @@
-"""Embeddings and scores from ``vllm.LLM(runner="pooling")`` for one model dir; JSON on stdout.
+"""Embeddings, scores and classifications from ``vllm.LLM(runner="pooling")`` for one or more
+model dirs, one engine after another in this process; JSON on stdout.
 
 The same script gives both sides of the comparison: rbln-ray (``RBLN_RAY_DEVICE=emulated``:
 the RBLN platform runs the compiled encoder) and plain vLLM-CPU (``RBLN_RAY_DEVICE=auto`` with
-no real runtime: the plugin stays out, vLLM runs its own BERT in float32).
-Usage: vllm_embed.py SPEC_JSON  (``model``, ``texts``, ``query``, ``max_model_len``,
-``batch_size``; ``too_long``: token ids that must be refused; ``step_stats``: read them)
+no real runtime: the plugin stays out, vLLM runs its own BERT or RoBERTa in float32).
+Usage: vllm_embed.py SPEC_JSON  (``models``, ``texts``, ``query``, ``max_model_len``,
+``batch_size``; ``too_long``: token ids that must be refused; ``step_stats``: read them).
+Per model: ``embeddings`` (embedding models), ``probs`` (classifiers), ``scores`` of ``query``
+against each text (cosine for an embedding model, a cross-encoder's relevance for a reranker).
 """
 
+import gc
 import json
 import os
 import sys
 
-if __name__ == "__main__":
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+def run(spec: dict, model: str) -> dict:
     from vllm import LLM
 
-    spec = json.loads(sys.argv[1])
     compile_settings = {"batch_size": spec["batch_size"], "max_seq_len": spec["max_model_len"]}
     llm = LLM(
-        model=spec["model"],
+        model=model,
         runner="pooling",
         dtype="float32",
         max_model_len=spec["max_model_len"],
@@ -26,25 +29,33 @@ if __name__ == "__main__":
         enforce_eager=True,
         additional_config={"rbln_compile": compile_settings},  # plain vLLM ignores it
     )
-    embeds = llm.embed(spec["texts"])
-    scores = llm.score(spec["query"], spec["texts"])
-    refused = None
+    tasks = list(llm.llm_engine.get_supported_tasks())
+    texts = spec["texts"]
+    out: dict = {"tasks": tasks, "embeddings": None, "probs": None}
+    if "embed" in tasks:
+        embeds = llm.embed(texts)
+        out["embeddings"] = [o.outputs.embedding for o in embeds]
+        out["prompt_lens"] = [len(o.prompt_token_ids) for o in embeds]
+    if "classify" in tasks:
+        classified = llm.classify(texts)
+        out["probs"] = [o.outputs.probs for o in classified]
+        out["prompt_lens"] = [len(o.prompt_token_ids) for o in classified]
+    out["scores"] = [o.outputs.score for o in llm.score(spec["query"], texts)]
+    out["refused"] = None
     if spec.get("too_long"):
         try:
-            llm.embed([{"prompt_token_ids": spec["too_long"]}])
+            task = "embed" if "embed" in tasks else "classify"
+            llm.encode([{"prompt_token_ids": spec["too_long"]}], pooling_task=task)
         except Exception as exc:  # noqa: BLE001 - reported to the test, which checks it
-            refused = f"{type(exc).__name__}: {exc}"
-    rpc = llm.collective_rpc("step_stats") if spec.get("step_stats") else []
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "embeddings": [o.outputs.embedding for o in embeds],
-                "prompt_lens": [len(o.prompt_token_ids) for o in embeds],
-                "scores": [o.outputs.score for o in scores],
-                "tasks": list(llm.llm_engine.get_supported_tasks()),
-                "step_stats": rpc,
-                "refused": refused,
-            }
-        )
-    )
+            out["refused"] = f"{type(exc).__name__}: {exc}"
+    out["step_stats"] = llm.collective_rpc("step_stats") if spec.get("step_stats") else []
+    llm.llm_engine.engine_core.shutdown()  # frees the device before the next model's engine
+    del llm
+    gc.collect()
+    return out
+
+
+if __name__ == "__main__":
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    spec = json.loads(sys.argv[1])
+    print("RESULT " + json.dumps({m: run(spec, m) for m in spec["models"]}))

@@ -255,8 +255,7 @@ def test_embeddings_and_scores_beside_chat_match_vllm_cpu(demo_app: RunningApp) 
     messages = [{"role": "user", "content": "write a loop"}]
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         chats = [
-            pool.submit(client.chat.completions.create, messages=messages, **chat)
-            for _ in range(4)
+            pool.submit(client.chat.completions.create, messages=messages, **chat) for _ in range(4)
         ]
         embedded = pool.submit(client.embeddings.create, model="embed", input=TEXTS)
         scored = pool.submit(
@@ -269,10 +268,8 @@ def test_embeddings_and_scores_beside_chat_match_vllm_cpu(demo_app: RunningApp) 
         replies = {c.result().choices[0].message.content for c in chats}
         response, score = embedded.result(), scored.result()
     assert len(replies) == 1 and replies.pop(), "greedy chat replies differ or are empty"
-    plain = vllm_embeddings(demo_app.embed_model_dir, TEXTS, QUERY)
-    assert response.model == "embed" and response.usage.prompt_tokens == sum(
-        plain["prompt_lens"]
-    )
+    plain = vllm_embeddings([demo_app.embed_model_dir], TEXTS, QUERY)[demo_app.embed_model_dir]
+    assert response.model == "embed" and response.usage.prompt_tokens == sum(plain["prompt_lens"])
     assert_embeddings_match([d.embedding for d in response.data], plain["embeddings"])
     assert score.status_code == 200, score.text
     got = [d["score"] for d in sorted(score.json()["data"], key=lambda d: d["index"])]

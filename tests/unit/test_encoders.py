@@ -6,8 +6,14 @@ import json
 
 import pytest
 
-from rbln_ray.compile.encoders import EncoderArtifact, EncoderArtifactError, encoder_for_dir
+from rbln_ray.compile.encoders import (
+    ENCODERS,
+    EncoderArtifact,
+    EncoderArtifactError,
+    encoder_for_dir,
+)
 from rbln_ray.compile.zoo import UnsupportedModelError, family_for_architectures
+from rbln_ray.models import build_tiny_encoder
 
 
 def write_dir(path, arch: str, rbln: dict | None = None):
@@ -38,5 +44,24 @@ def test_encoder_artifact_reads_shape_and_rejects_others(tmp_path) -> None:
 
 
 def test_unsupported_architecture_names_the_encoders_too() -> None:
-    with pytest.raises(UnsupportedModelError, match="for embeddings: BertModel"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match="for embeddings and scores: BertModel, XLMRobertaModel, XLMRoberta",
+    ):
         family_for_architectures(["RobertaModel"])
+
+
+@pytest.mark.parametrize("family", list(ENCODERS))
+def test_tiny_encoders_are_the_architecture_the_table_serves(tmp_path, family: str) -> None:
+    from transformers import AutoTokenizer
+
+    out = build_tiny_encoder(family=family, out_dir=tmp_path / family, num_layers=1)
+    assert encoder_for_dir(out) is ENCODERS[family]
+    tok = AutoTokenizer.from_pretrained(out)
+    pair = tok("query", "document")
+    # BERT marks the document as segment 1; RoBERTa has one segment and frames with </s></s>.
+    if family == "bert":
+        assert set(pair["token_type_ids"]) == {0, 1}
+    else:
+        assert "token_type_ids" not in pair
+        assert pair["input_ids"].count(tok.eos_token_id) == 3
