@@ -6,6 +6,8 @@ compiled tiny models) are in :mod:`tests.helpers`.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,9 +78,14 @@ def test_environment() -> Iterator[None]:
       session's device locks never meet another session's;
     * one OpenMP thread: tiny matmuls on a shared 2-core box are far faster single-threaded
       (no barriers), and children inherit it;
-    * no tokenizers fork warning.
+    * no tokenizers fork warning;
+    * vLLM's ZMQ IPC sockets in a directory of the session, removed after it: a process the
+      tests kill (a replica, an engine) leaves its socket files behind, which would otherwise
+      pile up in /tmp.
     """
+    ipc = Path(tempfile.mkdtemp(prefix="rbln-ray-ipc-"))  # short: a socket path has ~107 bytes
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_RPC_BASE_PATH", str(ipc))
         mp.setenv("RBLN_RAY_DEVICE", "emulated")
         mp.setenv("RBLN_RAY_NODE_ID", f"pytest-{uuid.uuid4().hex[:8]}")
         mp.setenv("OMP_NUM_THREADS", "1")
@@ -89,6 +96,7 @@ def test_environment() -> Iterator[None]:
         torch.set_num_threads(1)
         yield
         torch.set_num_threads(threads)
+    shutil.rmtree(ipc, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

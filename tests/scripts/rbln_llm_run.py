@@ -85,6 +85,10 @@ def run(llm, spec: dict) -> dict:
     return result
 
 
+# Marks the start of each run's part of stderr (the engine process writes there too), so a
+# failed run's root cause can be shown with it: "RUN_MARK<index>".
+RUN_MARK = "=== rbln_llm_run: run "
+
 if __name__ == "__main__":
     import logging
     import time
@@ -97,8 +101,9 @@ if __name__ == "__main__":
         sys.exit(0)
     results = []
     log = logging.getLogger("rbln_llm_run")
-    for one in spec["runs"]:
+    for i, one in enumerate(spec["runs"]):
         llm, started = None, time.monotonic()
+        print(f"{RUN_MARK}{i}", file=sys.stderr, flush=True)  # where this run's log starts
         try:
             llm = start(one)
             results.append(run(llm, one))

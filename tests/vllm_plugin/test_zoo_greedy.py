@@ -21,7 +21,14 @@ import pytest
 from rbln_ray.compile.zoo import FAMILIES, GREEDY_TEST, sliding_window_used
 from rbln_ray.models import build_tiny_model
 from rbln_ray.models.builder import DEFAULT_WINDOW
-from tests.helpers import compiled_model, count_refills, greedy_request, hf_greedy, run_script
+from tests.helpers import (
+    ROOT,
+    compiled_model,
+    count_refills,
+    greedy_request,
+    hf_greedy,
+    run_python,
+)
 
 # The first test also sets up every engine run (one process for all of them).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -105,7 +112,12 @@ def zoo_runs(
     runs.append({"model": str(unsupported_model(tmp_path_factory.mktemp("phi3"))), "requests": []})
     spec = tmp_path_factory.mktemp("zoo") / "runs.json"
     spec.write_text(json.dumps({"runs": runs}))
-    result = run_script("rbln_llm_run.py", f"@{spec}", timeout=1800)
+    script = str(ROOT / "tests" / "scripts" / "rbln_llm_run.py")
+    result, proc = run_python([script, f"@{spec}"], timeout=1800)
+    logs = proc.stderr.split("=== rbln_llm_run: run ")[1:]  # the script's RUN_MARK
+    for run, log in zip(result["runs"], logs, strict=True):
+        if "error" in run:  # its root cause is in the engine's log, not in the exception
+            run["log"] = log[-4000:]
     return dict(zip([*cases, UNSUPPORTED], result["runs"], strict=True))
 
 
@@ -135,7 +147,7 @@ def test_family_greedy_matches_transformers(
     zoo_runs: dict[tuple[str, str], dict], family: str, attn_impl: str
 ) -> None:
     result = zoo_runs[(family, attn_impl)]
-    assert "error" not in result, result.get("error")
+    assert "error" not in result, f"{result.get('error')}\n{result.get('log')}"
     spec = model_spec(family, attn_impl)
     prompts, max_tokens = workload(attn_impl == "flash_attn")
     hf_dir = build_tiny_model(family=family, **spec)
