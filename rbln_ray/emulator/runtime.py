@@ -179,7 +179,7 @@ class Runtime(KVHostTransfer):
             problem = f"unknown inputs {unknown}" if unknown else f"inputs {twice} given twice"
             raise ValueError(f"{problem}; the compiled inputs are {names}")
         missing = [n for n in names[len(inputs) :] if n not in named]
-        if missing and named:
+        if missing:
             raise ValueError(f"missing inputs {missing}; the compiled inputs are {names}")
         return (*inputs, *(named[n] for n in names[len(inputs) :] if n in named))
 

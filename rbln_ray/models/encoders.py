@@ -63,8 +63,9 @@ def _framed_tokenizer(vocab_size: int, roberta: bool):
         pair=pair,
         special_tokens=[(BOS, cls_id), (EOS, sep_id)],
     )
-    names = ["input_ids", "attention_mask"] if roberta else ["input_ids", "token_type_ids",
-                                                               "attention_mask"]  # fmt: skip
+    names = ["input_ids", "attention_mask"]
+    if not roberta:
+        names.insert(1, "token_type_ids")
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         cls_token=BOS,
@@ -91,8 +92,9 @@ def _config(spec: TinyEncoderSpec, tokenizer):
         "torch_dtype": "float32",
     }
     if spec.family == "bert":
-        return transformers.BertConfig(max_position_embeddings=spec.max_position_embeddings,
-                                       **shape)  # fmt: skip
+        return transformers.BertConfig(
+            max_position_embeddings=spec.max_position_embeddings, **shape
+        )
     config_cls = (
         transformers.RobertaConfig
         if spec.family.startswith("roberta")
