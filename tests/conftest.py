@@ -32,7 +32,7 @@ SERIAL_GROUPS = {
 # starts last while the other worker idles (xdist's default order is most tests first);
 # units not listed follow in file order. Only the order depends on these numbers.
 UNIT_SECONDS = {
-    MULTINODE: 1400,
+    MULTINODE: 800,
     "tests/reliability": 700,
     "tests/serve/test_openai_app.py": 410,
     "tests/pipeline/test_pipeline.py": 310,
