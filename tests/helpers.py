@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "scripts"  # the scripts tests run in fresh processes
 PYTHON = sys.executable
 
 # Mixed prompt lengths the greedy tests share (token ids of the tiny models' vocab).
@@ -87,9 +88,7 @@ def run_python(
 
 def run_script(script: str, *args: str, timeout: float = 600, env: dict | None = None) -> dict:
     """Run ``tests/scripts/<script>`` in a fresh process and return its ``RESULT`` JSON."""
-    result, _ = run_python(
-        [str(ROOT / "tests" / "scripts" / script), *args], env=env, timeout=timeout
-    )
+    result, _ = run_python([str(SCRIPTS / script), *args], env=env, timeout=timeout)
     assert result is not None
     return result
 

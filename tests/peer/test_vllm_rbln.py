@@ -20,6 +20,7 @@ from rbln_ray.models import build_tiny_model
 from tests.helpers import (
     EIGHT_PROMPTS,
     ROOT,
+    SCRIPTS,
     compiled_model,
     greedy_request,
     hf_greedy,
@@ -38,7 +39,7 @@ SHARED_PREFIX = [SHARED + [_rng.randrange(10, 4000) for _ in range(3 + i)] for i
 def run_in_peer(script: str, spec: dict, timeout: float) -> tuple[dict, str]:
     """Run ``tests/scripts/<script>`` in the side env; (its RESULT JSON, stdout + stderr)."""
     result, proc = run_python(
-        [str(ROOT / "tests" / "scripts" / script), json.dumps(spec)],
+        [str(SCRIPTS / script), json.dumps(spec)],
         python=peer_python(),
         full_env=peer_env(RBLN_RAY_NODE_ID=f"peer-{uuid.uuid4().hex[:8]}"),  # private devices
         timeout=timeout,

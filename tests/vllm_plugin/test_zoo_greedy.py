@@ -22,7 +22,7 @@ from rbln_ray.compile.zoo import FAMILIES, GREEDY_TEST, sliding_window_used
 from rbln_ray.models import build_tiny_model
 from rbln_ray.models.builder import DEFAULT_WINDOW
 from tests.helpers import (
-    ROOT,
+    SCRIPTS,
     compiled_model,
     count_refills,
     greedy_request,
@@ -112,8 +112,7 @@ def zoo_runs(
     runs.append({"model": str(unsupported_model(tmp_path_factory.mktemp("phi3"))), "requests": []})
     spec = tmp_path_factory.mktemp("zoo") / "runs.json"
     spec.write_text(json.dumps({"runs": runs}))
-    script = str(ROOT / "tests" / "scripts" / "rbln_llm_run.py")
-    result, proc = run_python([script, f"@{spec}"], timeout=1800)
+    result, proc = run_python([str(SCRIPTS / "rbln_llm_run.py"), f"@{spec}"], timeout=1800)
     logs = proc.stderr.split("=== rbln_llm_run: run ")[1:]  # the script's RUN_MARK
     for run, log in zip(result["runs"], logs, strict=True):
         if "error" in run:  # its root cause is in the engine's log, not in the exception
