@@ -34,7 +34,7 @@ SERIAL_GROUPS = {
 UNIT_SECONDS = {
     MULTINODE: 800,
     "tests/reliability": 700,
-    "tests/serve/test_openai_app.py": 410,
+    "tests/serve/test_openai_app.py": 450,
     "tests/pipeline/test_pipeline.py": 310,
     "tests/executor/test_ray_executor.py": 300,
     "tests/serve/test_prefix_affinity.py": 220,
@@ -48,6 +48,7 @@ UNIT_SECONDS = {
     "tests/vllm_plugin/test_llm_greedy.py": 100,
     "tests/vllm_plugin/test_vllm_serve.py": 80,
     "tests/vllm_plugin/test_embeddings.py": 90,
+    "tests/vllm_plugin/test_vision_language.py": 60,
 }
 
 

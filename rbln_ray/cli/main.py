@@ -16,11 +16,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from rbln_ray.cli.runtime_choice import choose_runtime
     from rbln_ray.compile.encoders import compile_encoder, encoder_for_dir
     from rbln_ray.compile.family_compile import CompileConfigError, compile_model
+    from rbln_ray.compile.vision import compile_vision_language, vision_family_for_dir
     from rbln_ray.compile.zoo import UnsupportedModelError, family_for_dir
 
     encoder = encoder_for_dir(args.hf_dir)
+    vision = vision_family_for_dir(args.hf_dir)
     try:
-        if encoder is None:
+        if encoder is None and vision is None:
             family_for_dir(args.hf_dir)  # before choosing a runtime or loading any weights
     except UnsupportedModelError as exc:
         print(f"rbln-ray compile: {exc}", file=sys.stderr)
@@ -49,6 +51,19 @@ def cmd_compile(args: argparse.Namespace) -> int:
         num_devices=args.num_devices,
         decoder_batch_sizes=sizes,
     )
+    if vision is not None:
+        if args.pipeline_stages > 1:
+            print(
+                f"rbln-ray compile: {vision.architecture} is a vision-language model: "
+                "pipeline stages are not supported",
+                file=sys.stderr,
+            )
+            return 2
+        out = compile_vision_language(
+            args.hf_dir, args.out_dir, kvcache_num_blocks=args.kvcache_num_blocks, **settings
+        )
+        print(f"compiled {vision.architecture} (vision-language) written to {out}")
+        return 0
     if args.kvcache_num_blocks is not None:
         if args.pipeline_stages > 1:
             print(
@@ -97,19 +112,35 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 def cmd_build_model(args: argparse.Namespace) -> int:
     from rbln_ray.compile.encoders import ENCODERS
-    from rbln_ray.models import build_tiny_encoder, build_tiny_model, demo_model_dir
+    from rbln_ray.compile.vision import VISION_FAMILIES
+    from rbln_ray.models import (
+        TinyModelSpec,
+        build_tiny_encoder,
+        build_tiny_model,
+        build_tiny_vlm,
+        demo_model_dir,
+    )
 
     if args.family == "demo":
         print(demo_model_dir())
         return 0
+    shape = dict(
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        intermediate_size=args.intermediate_size,
+    )
     if args.family in ENCODERS:
-        shape = dict(
-            hidden_size=args.hidden_size,
-            num_layers=args.num_layers,
-            num_heads=args.num_heads,
-            intermediate_size=args.intermediate_size,
-        )
         print(build_tiny_encoder(family=args.family, out_dir=args.out, **shape))
+        return 0
+    if args.family in VISION_FAMILIES:
+        language = TinyModelSpec(
+            family=VISION_FAMILIES[args.family].language_family,
+            num_kv_heads=args.num_kv_heads,
+            max_position_embeddings=args.max_position_embeddings,
+            **shape,
+        )
+        print(build_tiny_vlm(family=args.family, language=language, out_dir=args.out))
         return 0
     path = build_tiny_model(
         family=args.family,
@@ -204,12 +235,14 @@ def parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_devices)
 
     b = add_parser(
-        "build-model", help="build a local test model, decoder or encoder (or train the demo)"
+        "build-model",
+        help="build a local test model: decoder, encoder or vision-language (or train the demo)",
     )
     from rbln_ray.compile.encoders import ENCODERS
+    from rbln_ray.compile.vision import VISION_FAMILIES
     from rbln_ray.compile.zoo import FAMILIES
 
-    b.add_argument("family", choices=[*FAMILIES, *ENCODERS, "demo"])
+    b.add_argument("family", choices=[*FAMILIES, *ENCODERS, *VISION_FAMILIES, "demo"])
     b.add_argument("--out", type=Path)
     b.add_argument("--hidden-size", type=int, default=128)
     b.add_argument("--num-layers", type=int, default=2)

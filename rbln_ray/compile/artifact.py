@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rbln_ray.common.artifact_files import PIPELINE_MANIFEST, RBLN_CONFIG
 from rbln_ray.compile.encoders import EncoderArtifact, encoder_for_dir
+from rbln_ray.compile.vision import LANGUAGE_MODEL, vision_family_for_dir
 
 # A staged (pipeline-parallel) directory's manifest has the same shape keys as rbln_config.json
 # (see pipeline_manifest.py), so one reader serves both.
@@ -51,6 +52,10 @@ class CompiledArtifact:
     # Sequences in flight: batch_size, or for a pipeline every micro-batch's (vLLM keeps one
     # micro-batch of up to batch_size rows in each stage).
     max_num_seqs: int = 0
+    # A vision-language model (rbln_ray.compile.vision): its family name. The fields above
+    # are then its language model's; the vision tower and projector are its other graphs.
+    vision_family: str = ""
+    dtype: str = "float32"  # what the compiled graphs compute in (optimum's rbln_config dtype)
 
     def __post_init__(self) -> None:
         if not self.max_num_seqs:
@@ -68,6 +73,11 @@ class CompiledArtifact:
         return self.cache_impl in ("sliding_window", "hybrid")
 
     @property
+    def is_multimodal(self) -> bool:
+        """Prompts may carry images (a compiled vision-language model)."""
+        return bool(self.vision_family)
+
+    @property
     def blocks_per_seq(self) -> int:
         """Block-table width: KV blocks one sequence of ``max_seq_len`` tokens spans."""
         return -(-self.max_seq_len // self.kvcache_block_size)
@@ -81,6 +91,14 @@ class CompiledArtifact:
         elif not cfg_path.is_file():
             raise ArtifactError(f"{path} has no {RBLN_CONFIG}: not a compiled optimum-rbln model")
         raw = json.loads(cfg_path.read_text())
+        vision = vision_family_for_dir(path)
+        if vision is not None:
+            if raw.get("cls_name") != vision.config_class or LANGUAGE_MODEL not in raw:
+                raise ArtifactError(
+                    f"{cfg_path} was compiled as {raw.get('cls_name')!r}; "
+                    f"{vision.architecture} is served from {vision.config_class}"
+                )
+            raw = raw[LANGUAGE_MODEL]  # the decoder the scheduler and runner drive
         if "kvcache_block_size" not in raw or "decoder_batch_sizes" not in raw:
             raise ArtifactError(
                 f"{cfg_path} ({raw.get('cls_name', '?')}) is not a decoder-only causal LM artifact"
@@ -112,6 +130,8 @@ class CompiledArtifact:
             sliding_window=raw.get("sliding_window"),
             use_position_ids=bool(raw.get("use_position_ids")),
             prefill_resumable=_prefill_resumable(raw.get("cls_name", "")),
+            vision_family=vision.name if vision is not None else "",
+            dtype=raw.get("dtype") or "float32",
         )
 
 

@@ -17,6 +17,7 @@ from rbln_ray.common.paths import atomic_dir, cache_dir, file_lock
 from rbln_ray.compile.artifact import is_compiled_dir
 from rbln_ray.compile.encoders import encoder_for_dir
 from rbln_ray.compile.settings import CompileSettings
+from rbln_ray.compile.vision import vision_family_for_dir
 from rbln_ray.compile.zoo import family_for_dir
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
             "(or HF) directories only"
         )
     encoder = encoder_for_dir(model_dir)
-    if encoder is None:
+    vision = vision_family_for_dir(model_dir)
+    if encoder is None and vision is None:
         family_for_dir(model_dir)  # raises naming the supported architectures
     if is_compiled_dir(model_dir):
         return model_dir
@@ -73,6 +75,7 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
             return out
         from rbln_ray.compile.encoders import compile_encoder
         from rbln_ray.compile.family_compile import compile_model
+        from rbln_ray.compile.vision import compile_vision_language
 
         logger.info(
             "compiling %s for RBLN (%s) into %s; this runs once per model and settings",
@@ -82,7 +85,11 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
         )
         started = time.monotonic()
         with atomic_dir(out) as tmp:
-            compile_fn = compile_encoder if encoder is not None else compile_model
+            compile_fn = compile_model
+            if encoder is not None:
+                compile_fn = compile_encoder
+            elif vision is not None:
+                compile_fn = compile_vision_language
             compile_fn(model_dir, tmp, **settings.as_dict())
         logger.info("compiled %s in %.1f s", out.name, time.monotonic() - started)
     return out

@@ -58,13 +58,17 @@ def _snapshot(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def graph_outputs(result: Any) -> list[torch.Tensor]:
-    """A graph's outputs as a compiled graph returns them: a flat list of tensors. A module
-    that returns a mapping (a transformers ``ModelOutput``, e.g. a classifier's
-    ``SequenceClassifierOutput`` when its ``return_dict`` cannot be switched off) gives its
-    values in order, as tracing flattens it."""
+    """A graph's outputs as a compiled graph returns them: a flat list of tensors, nested
+    outputs flattened in order and ``None`` left out, as tracing does. A module that returns a
+    mapping (a transformers ``ModelOutput``, e.g. a classifier's ``SequenceClassifierOutput``
+    when its ``return_dict`` cannot be switched off) gives its values in order; a vision
+    tower compiled with ``output_hidden_states`` gives its last state, its pooled output, then
+    every layer's state (optimum's LLaVA pre-allocates one output buffer for each)."""
     if isinstance(result, Mapping):
-        return [v for v in result.values() if v is not None]
-    return list(result) if isinstance(result, (tuple, list)) else [result]
+        result = list(result.values())
+    if isinstance(result, (tuple, list)):
+        return [t for item in result if item is not None for t in graph_outputs(item)]
+    return [result]
 
 
 def _weight_bytes(module: torch.nn.Module) -> int:
@@ -86,6 +90,7 @@ class RBLNCompiledModel:
             if not isinstance(_payload, dict) or _payload.get("format") != FORMAT:
                 raise ValueError(f"{path} is not an emulated RBLN compiled model ({FORMAT})")
             _share_weights(_payload["module"], _payload["group_id"])
+            _restore_output_capture(_payload["module"])
         self._p = _payload
         self.path = Path(path) if path is not None else None
 
@@ -234,6 +239,27 @@ class RBLNCompiledModel:
     def __repr__(self) -> str:
         names = [n for n, _, _ in self._p["inputs"]]
         return f"<RBLNCompiledModel (emulated) inputs={names} kv={len(self._p['kv'])}>"
+
+
+def _restore_output_capture(module: torch.nn.Module) -> None:
+    """Give a loaded module the per-class output capture its construction registered.
+
+    transformers 5.15 (``utils/output_capturing.py``) returns ``hidden_states`` /
+    ``attentions`` only for classes in its process-wide ``_CAN_RECORD_REGISTRY``, which
+    ``PreTrainedModel.__init__`` fills. A compiled graph is traced at compile time, when the
+    model was constructed; a module unpickled in another process was never constructed, so
+    without this a vision tower compiled with ``output_hidden_states`` (optimum's LLaVA) would
+    return its last state only. Internal name, isolated here; a transformers upgrade that
+    moves it makes this a no-op (and the emulator test of a loaded vision tower fail).
+    """
+    try:
+        from transformers.modeling_utils import PreTrainedModel
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:
+        return
+    for mod in module.modules():
+        if isinstance(mod, PreTrainedModel):
+            _CAN_RECORD_REGISTRY.setdefault(str(mod.__class__), mod._can_record_outputs)
 
 
 def _share_weights(module: torch.nn.Module, group_id: str) -> None:

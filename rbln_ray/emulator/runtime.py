@@ -207,7 +207,13 @@ class Runtime(KVHostTransfer):
         computed = time.perf_counter()
         if out is not None:
             targets = out if isinstance(out, (list, tuple)) else [out]
-            for target, value in zip(targets, outputs, strict=False):
+            if len(targets) != len(outputs):
+                # A compiled graph's outputs are fixed; a buffer left unwritten would hand the
+                # caller uninitialised memory.
+                raise ValueError(
+                    f"{len(targets)} output buffers for a graph with {len(outputs)} outputs"
+                )
+            for target, value in zip(targets, outputs, strict=True):
                 target.copy_(value.reshape(target.shape))
             result = out if isinstance(out, (list, tuple)) and len(out) > 1 else targets[0]
         else:

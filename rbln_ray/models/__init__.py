@@ -1,7 +1,8 @@
 """Small models built locally and deterministically (no model hub needed).
 
 ``build_tiny_model`` makes random-weight decoder directories of every zoo family for tests,
-``build_tiny_encoder`` encoder (embedding) ones; ``demo_model_dir`` returns a small Llama
+``build_tiny_encoder`` encoder (embedding) ones, ``build_tiny_vlm`` vision-language ones;
+``demo_model_dir`` returns a small Llama
 trained briefly on local Python sources, cached.
 """
 
@@ -9,13 +10,16 @@ from rbln_ray.models.builder import FAMILIES, TinyModelSpec, build_tiny_model
 from rbln_ray.models.demo import demo_model_dir
 from rbln_ray.models.encoders import TinyEncoderSpec, build_tiny_encoder
 from rbln_ray.models.tokenizer import build_tokenizer
+from rbln_ray.models.vision import TinyVisionLanguageSpec, build_tiny_vlm
 
 __all__ = [
     "FAMILIES",
     "TinyEncoderSpec",
     "TinyModelSpec",
+    "TinyVisionLanguageSpec",
     "build_tiny_encoder",
     "build_tiny_model",
+    "build_tiny_vlm",
     "build_tokenizer",
     "demo_model_dir",
 ]

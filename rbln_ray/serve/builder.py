@@ -78,6 +78,19 @@ def compiled_max_seq_len(cfg: ModelDeploymentConfig) -> int | None:
     return CompileSettings.from_dict(cfg.compile).max_seq_len
 
 
+def accepts_images(cfg: ModelDeploymentConfig) -> bool:
+    """Whether the model is a vision-language model (compiled, or an HF dir compiled at
+    start)."""
+    from rbln_ray.compile.vision import vision_family_for_dir
+
+    if cfg.model == DEMO_MODEL:
+        return False
+    art = served_artifact(cfg)
+    if isinstance(art, CompiledArtifact):
+        return art.is_multimodal
+    return art is None and vision_family_for_dir(cfg.model) is not None
+
+
 def replica_max_ongoing(cfg: ModelDeploymentConfig) -> int:
     """Requests Serve hands one replica at a time: by default 2 x its decode slots.
 
@@ -147,4 +160,7 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
         **ingress_options(config.ingress)
     )
     lens = {m.name: compiled_max_seq_len(m) for m in config.models}
-    return ingress.bind(servers, config.resolved_api_key(), config.limits.model_dump(), lens)
+    image_models = [m.name for m in config.models if accepts_images(m)]
+    return ingress.bind(
+        servers, config.resolved_api_key(), config.limits.model_dump(), lens, image_models
+    )

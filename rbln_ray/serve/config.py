@@ -46,6 +46,11 @@ class RequestLimits(_Strict):
     max_request_bytes: int = Field(default=1 << 20, ge=1024)
     max_n: int = Field(default=8, ge=1)
     max_tokens: int = Field(default=4096, ge=1)
+    # Images in chat messages (vision-language models): only inline ``data:`` URLs unless
+    # fetching is allowed (a replica fetching any URL a client names is a server-side request
+    # forgery risk); and at most this many pixels each (a small PNG can decode to gigabytes).
+    allow_remote_images: bool = False
+    max_image_pixels: int = Field(default=4096 * 4096, ge=1)
 
 
 class IngressConfig(_Strict):

@@ -22,6 +22,8 @@ from pydantic import TypeAdapter, ValidationError
 from ray.serve.exceptions import BackPressureError
 from vllm.exceptions import VLLMClientError
 
+from rbln_ray.serve.image_checks import check_images, image_urls
+
 logger = logging.getLogger(__name__)
 
 app = FastAPI(title="rbln-ray", description="OpenAI-compatible serving on Rebellions RBLN NPUs")
@@ -103,7 +105,9 @@ class OpenAIIngress:
     """FastAPI ingress; ``servers`` maps served model names to their deployment handles.
 
     ``max_model_lens`` maps each model to its compiled ``max_seq_len`` (when known), so a
-    ``max_tokens`` beyond it or beyond the configured cap gets one message (:meth:`_parse`).
+    ``max_tokens`` beyond it or beyond the configured cap gets one message (:meth:`_parse`);
+    ``image_models`` names the vision-language models (the only ones a chat message may give
+    images to, :mod:`rbln_ray.serve.image_checks`).
     """
 
     async def __init__(
@@ -112,6 +116,7 @@ class OpenAIIngress:
         api_key: str | None,
         limits: dict[str, Any] | None = None,
         max_model_lens: dict[str, int | None] | None = None,
+        image_models: list[str] | None = None,
     ) -> None:
         from ray import serve
 
@@ -122,6 +127,7 @@ class OpenAIIngress:
         self.limits = RequestLimits.model_validate(limits or {})
         self.servers = servers
         self.max_model_lens = dict(max_model_lens or {})
+        self.image_models = set(image_models or ())
         self.api_key = api_key
         self.app_name = serve.get_replica_context().app_name
         warm_request_path()
@@ -174,6 +180,13 @@ class OpenAIIngress:
         limit = max_tokens_limit(self.limits.max_tokens, self.max_model_lens.get(parsed.model))
         if max_tokens is not None and max_tokens > limit:
             return error_response(400, max_tokens_message(parsed.model, max_tokens, limit))
+        messages = getattr(parsed, "messages", None)
+        if messages:
+            urls = list(image_urls(messages))
+            accepts = parsed.model in self.image_models
+            problem = check_images(parsed.model, urls, accepts, self.limits)
+            if problem is not None:
+                return error_response(*problem)
         return parsed
 
     async def _relay(self, parsed: Any, method: str) -> Response:

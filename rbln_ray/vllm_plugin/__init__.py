@@ -7,6 +7,10 @@ import logging
 logger = logging.getLogger(__name__)
 
 PLATFORM_CLS = "rbln_ray.vllm_plugin.platform.RBLNPlatform"
+# architecture -> rbln-ray's declaration for vLLM's registry (see vision_models)
+VISION_DECLARATIONS = {
+    "LlavaForConditionalGeneration": "rbln_ray.vllm_plugin.vision_models:RBLNLlavaDeclaration",
+}
 
 
 def register() -> str | None:
@@ -30,3 +34,17 @@ def register() -> str | None:
         if rebel.device_count() == 0:  # rebel-compiler installed, but no ATOM card here
             return None
     return PLATFORM_CLS
+
+
+def register_models() -> None:
+    """``vllm.general_plugins`` entry point: on RBLN, vLLM's registry gets rbln-ray's
+    declarations of the vision-language architectures (see ``vision_models``); elsewhere
+    (plain vLLM in the same environment) nothing changes."""
+    from rbln_ray.emulator import ensure_runtime
+
+    if ensure_runtime() == "none":
+        return
+    from vllm import ModelRegistry
+
+    for arch, qualname in VISION_DECLARATIONS.items():
+        ModelRegistry.register_model(arch, qualname)

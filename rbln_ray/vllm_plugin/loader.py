@@ -11,6 +11,7 @@ from typing import Any
 
 from rbln_ray.compile.artifact import CompiledArtifact
 from rbln_ray.compile.encoders import EncoderArtifact
+from rbln_ray.compile.vision import VISION_FAMILIES
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +20,8 @@ def load_compiled_model(
     artifact: CompiledArtifact | EncoderArtifact, device_ids: Sequence[int]
 ) -> Any:
     """Load the optimum-rbln model with runtimes on ``device_ids`` (visible-device indices): a
-    decoder through ``RBLNAutoModelForCausalLM``, an encoder through its family's class."""
+    decoder through ``RBLNAutoModelForCausalLM``, an encoder or a vision-language model
+    through its family's class (which loads its vision tower and language model too)."""
     from rbln_ray.emulator import require_runtime
 
     require_runtime("load a compiled model")
@@ -27,6 +29,8 @@ def load_compiled_model(
 
     if isinstance(artifact, EncoderArtifact):
         cls = getattr(optimum.rbln, artifact.family.optimum_class)
+    elif artifact.is_multimodal:
+        cls = getattr(optimum.rbln, VISION_FAMILIES[artifact.vision_family].optimum_class)
     else:
         cls = optimum.rbln.RBLNAutoModelForCausalLM
     device: int | list[int] = device_ids[0] if len(device_ids) == 1 else list(device_ids)

@@ -8,7 +8,8 @@ hit needs, and a scratch block for padding rows.
 - prefill: ``model.prefill_decoder(input_ids [1,L], cache_position [1,L], block_tables [nblk])``
   from the first uncached position (a multiple of the compiled ``prefill_chunk_size``) to the
   end of the scheduled chunk; returns the last token's logits, sampled only when the chunk
-  completes the prompt;
+  completes the prompt. A prompt with images (a vision-language artifact) passes its slice of
+  the prompt's embeddings as ``inputs_embeds`` instead (:mod:`.image_inputs`);
 - decode: ``model.decoders[bs](input_ids [bs,1], cache_position [bs,1], block_tables [bs,nblk])``
   where ``bs`` is the smallest compiled decoder batch size that fits the live rows. Padding
   rows (token 0) write to the plan's scratch block at a position that holds no cached KV,
@@ -38,6 +39,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from rbln_ray.compile.artifact import CompiledArtifact
+from rbln_ray.vllm_plugin.image_inputs import PromptEmbedder
 from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK, BlockLayout, KVCopy, KVStepPlan
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,12 @@ class RBLNModelRunner:
         # hidden states; only the last returns logits and samples.
         self.first_stage, self.last_stage = first_stage, last_stage
         self.artifact = artifact
+        # A vision-language model: its images become prompt embeddings (image_inputs); its
+        # language model is the decoder every prefill and decode call below runs.
+        self.embedder: PromptEmbedder | None = None
+        if artifact.is_multimodal:
+            self.embedder = PromptEmbedder(model)
+            model = model.language_model
         # Not ``model``: vLLM 0.30's in-process engine walks ``model_runner.model.modules()``
         # at exit (LLMEngine._cleanup_instance_caches); an optimum-rbln model is no nn.Module.
         self.rbln_model = model
@@ -120,6 +128,8 @@ class RBLNModelRunner:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
+            if self.embedder is not None:
+                self.embedder.forget(req_id)
         for req_id in list(batch.req_id_to_index):
             if req_id not in so.num_scheduled_tokens:
                 batch.remove_request(req_id)
@@ -132,7 +142,7 @@ class RBLNModelRunner:
             state = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,
-                mm_features=[],
+                mm_features=list(new.mm_features or []),
                 sampling_params=params,
                 generator=generator,
                 block_ids=tuple(list(ids) for ids in new.block_ids),
@@ -229,12 +239,21 @@ class RBLNModelRunner:
                 f"only at a multiple of prefill_chunk_size={chunk}"
             )
         tokens = state.prompt_token_ids + state.output_token_ids
-        x = torch.tensor([tokens[start:end]], dtype=torch.long) if hidden is None else hidden
+        inputs: dict[str, torch.Tensor | None] = {}
+        if self.embedder is not None and self.embedder.has_images(state.mm_features):
+            embeds = self.embedder.embeds(req_id, tokens, state.mm_features, start)
+            inputs["inputs_embeds"] = embeds[start:end].unsqueeze(0)
+            if end == len(tokens):  # the last chunk: later steps decode token ids
+                self.embedder.forget(req_id)
+        elif hidden is None:
+            inputs["input_ids"] = torch.tensor([tokens[start:end]], dtype=torch.long)
+        else:
+            inputs["input_ids"] = hidden
         positions = torch.arange(start, end, dtype=torch.int32).unsqueeze(0)
         table = torch.tensor(self._table_row(plan.tables[req_id]), dtype=torch.int16)
-        tables = self._block_inputs(table, [plan.slots.get(req_id)], prefill=True)
+        inputs.update(self._block_inputs(table, [plan.slots.get(req_id)], prefill=True))
         start_t = time.perf_counter()
-        out = self.rbln_model.prefill_decoder(input_ids=x, cache_position=positions, **tables)
+        out = self.rbln_model.prefill_decoder(cache_position=positions, **inputs)
         self.stats.device_seconds += time.perf_counter() - start_t
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += end - start

@@ -256,6 +256,20 @@ def _sync_executor(vllm_config: VllmConfig) -> None:
         remember_driver_cluster(vllm_config)
 
 
+def _sync_multimodal(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
+    """vLLM casts a request's preprocessed pixels to the model dtype (its multimodal
+    processor's ``_postprocess_output``), and vLLM's "auto" dtype downcasts a float32 model
+    to bfloat16 on the CPU; the compiled vision tower computes in the artifact's dtype, so the
+    pixels must reach it in that dtype (bfloat16 pixels would change the image features)."""
+    import torch
+
+    model_config = vllm_config.model_config
+    dtype = getattr(torch, art.dtype)
+    if model_config.dtype != dtype:
+        logger.info("dtype %s -> %s (compiled vision-language artifact)", model_config.dtype, dtype)
+        model_config.dtype = dtype
+
+
 def _sync_decoder(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
     if vllm_config.model_config.runner_type == "pooling":
         raise RBLNConfigError(
@@ -265,6 +279,8 @@ def _sync_decoder(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
     _sync_model_len(vllm_config, art)
     _sync_kv_cache(vllm_config, art)
     _sync_scheduler(vllm_config, art)
+    if art.is_multimodal:
+        _sync_multimodal(vllm_config, art)
     requested_backend = vllm_config.parallel_config.distributed_executor_backend
     _sync_parallel(vllm_config, art)
     _sync_async_scheduling(vllm_config, requested_backend)

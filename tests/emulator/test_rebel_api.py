@@ -299,3 +299,52 @@ def test_inputs_by_name_and_a_function_local_module_survive_save_and_load(tmp_pa
         rt(a=a)
     del rt
     gc.collect()
+
+
+# ---------------------------------------------------------------------------- nested outputs
+def test_nested_outputs_fill_the_output_buffers_in_order_and_a_missing_one_is_an_error():
+    class Nested(torch.nn.Module):
+        def forward(self, x):
+            return x + 1, None, (x * 2, x * 3)  # e.g. last state, no pooling, hidden states
+
+    rt = rebel.Runtime(rebel.compile_from_torch(Nested(), [("x", [2], "float32")]), device=0)
+    x = torch.tensor([1.0, 2.0])
+    assert [t.tolist() for t in rt(x)] == [[2.0, 3.0], [2.0, 4.0], [3.0, 6.0]]
+    out = [torch.empty(2) for _ in range(3)]
+    rt(x, out=out)
+    assert [t.tolist() for t in out] == [[2.0, 3.0], [2.0, 4.0], [3.0, 6.0]]
+    with pytest.raises(ValueError, match="4 output buffers for a graph with 3 outputs"):
+        rt(x, out=[torch.empty(2) for _ in range(4)])
+    del rt
+    gc.collect()
+
+
+def test_a_loaded_vision_tower_still_returns_its_hidden_states(tmp_path):
+    """transformers 5 returns hidden states only for model classes constructed in the
+    process; a graph loaded in another process returns them as traced (optimum's LLaVA
+    pre-allocates a buffer for each)."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+    from transformers.utils import output_capturing
+
+    config = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        image_size=28, patch_size=14,
+    )  # fmt: skip
+
+    class Tower(torch.nn.Module):  # optimum's _VisionEncoder, in short
+        def __init__(self):
+            super().__init__()
+            self.enc = CLIPVisionModel(config).eval()
+
+        def forward(self, pixels):
+            return self.enc(pixels, output_hidden_states=True, return_dict=False)
+
+    path = tmp_path / "tower.rbln"
+    rebel.compile_from_torch(Tower(), [("pixels", [1, 3, 28, 28], "float32")]).save(str(path))
+    for key in [k for k in output_capturing._CAN_RECORD_REGISTRY if "clip" in k.lower()]:
+        del output_capturing._CAN_RECORD_REGISTRY[key]  # as in a fresh process
+    rt = rebel.Runtime(rebel.RBLNCompiledModel(str(path)), device=0)
+    outputs = rt(torch.rand(1, 3, 28, 28))
+    assert len(outputs) == 2 + config.num_hidden_layers + 1  # last, pooled, every layer
+    del rt
+    gc.collect()

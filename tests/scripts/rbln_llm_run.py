@@ -2,11 +2,11 @@
 
 Tests run vLLM in a subprocess: vLLM resolves its platform once per process, and engines are
 heavy. Input (argv[1], JSON): ``{"model": dir, "llm_kwargs": {...}, "requests": [{"prompt":
-str | "prompt_token_ids": [...], "params": {SamplingParams fields;
-structured_outputs as a dict}}], "passes": N (default 1: run the requests N times, one
-``generate`` call each), "rpc": [method, ...]}``.
+str | "prompt_token_ids": [...], "params": {SamplingParams fields; structured_outputs as a
+dict}, "images": [tests.vision.image_spec, ...]}], "passes": N (default 1: run the requests N
+times, one ``generate`` call each), "rpc": [method, ...]}``.
 Output: one line ``RESULT {...}`` with per-request outputs (of the last pass; every pass in
-``passes``) and the collective_rpc results.
+``passes``), the prompts' token ids as vLLM processed them, and the collective_rpc results.
 
 ``argv[1]`` may also be ``@PATH``: the JSON is read from that file (a spec too long for a
 command line).
@@ -44,9 +44,15 @@ def run(llm, spec: dict) -> dict:
     prompts, params = [], []
     for req in spec["requests"]:
         if "prompt" in req:
-            prompts.append(req["prompt"])
+            prompt = {"prompt": req["prompt"]}
         else:
-            prompts.append({"prompt_token_ids": req["prompt_token_ids"]})
+            prompt = {"prompt_token_ids": req["prompt_token_ids"]}
+        if req.get("images"):  # tests/vision.py's deterministic images
+            sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+            from tests.vision import make_image
+
+            prompt["multi_modal_data"] = {"image": [make_image(**i) for i in req["images"]]}
+        prompts.append(prompt)
         kw = dict(req.get("params", {}))
         if "structured_outputs" in kw:
             kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
@@ -70,6 +76,7 @@ def run(llm, spec: dict) -> dict:
         )
     result = {
         "outputs": passes[-1],
+        "prompt_token_ids": [list(o.prompt_token_ids or []) for o in outputs],
         "passes": passes,
         "rpc": {m: llm.collective_rpc(m) for m in spec.get("rpc", [])},
         "config": {

@@ -22,19 +22,24 @@ class RunningApp:
     gcs_address: str
     model_dir: Path
     embed_model_dir: Path | None = None  # the HF directory of the app's embedding model
+    vlm_model_dir: Path | None = None  # the HF directory of its vision-language model
 
 
-def start_app(config: dict, port: int, model_dir: Path) -> RunningApp:
+def start_app(config: dict, port: int, model_dir: Path, devices: int = 4) -> RunningApp:
+    """Start the app on a new local Ray instance whose node has ``devices`` emulated RBLN
+    devices (Ray's resource and the emulator agree) and CPUs for a replica on each."""
     import ray
     from ray import serve
 
     from rbln_ray.serve import APP_NAME, build_app, load_config
 
     os.environ["RBLN_RAY_DEVICE"] = "emulated"
+    os.environ["RBLN_RAY_EMULATED_DEVICES"] = str(devices)  # the raylet's workers inherit it
     ray.init(
         address="local",
-        num_cpus=8,
-        resources={"RBLN": 4},
+        # a replica's placement group takes 2 CPUs (the replica, its worker); logical only
+        num_cpus=max(8, 2 * devices),
+        resources={"RBLN": devices},
         log_to_driver=False,
         _system_config=FAST_EXPORT,
     )
@@ -55,16 +60,18 @@ def stop_app() -> None:
 
     serve.shutdown()
     ray.shutdown()
+    os.environ.pop("RBLN_RAY_EMULATED_DEVICES", None)
 
 
 @pytest.fixture(scope="module")
 def demo_app() -> Iterator[RunningApp]:
-    """The demo model (compiled, batch 4) with 2 replicas, a tiny Qwen2 and a tiny BERT
-    embedding model beside it (one device each), an API key."""
+    """The demo model (compiled, batch 4) with 2 replicas, and beside it (one device each) a
+    tiny Qwen2, a tiny BERT embedding model and a tiny LLaVA (vision-language); an API key."""
     from rbln_ray.cli.serve_cmd import DEMO_COMPILE
     from rbln_ray.compile import CompileSettings, resolve_compiled_dir
-    from rbln_ray.models import build_tiny_encoder, demo_model_dir
+    from rbln_ray.models import build_tiny_encoder, build_tiny_vlm, demo_model_dir
     from tests.helpers import compiled_encoder, compiled_model
+    from tests.vision import compiled_vlm
 
     hf_dir = demo_model_dir()
     compiled = resolve_compiled_dir(hf_dir, CompileSettings.from_dict(DEMO_COMPILE))
@@ -74,10 +81,12 @@ def demo_app() -> Iterator[RunningApp]:
             {"name": "demo", "model": str(compiled), "num_replicas": 2},
             {"name": "qwen", "model": str(compiled_model("qwen2")), "num_replicas": 1},
             {"name": "embed", "model": str(compiled_encoder()), "num_replicas": 1},
+            {"name": "vision", "model": str(compiled_vlm()), "num_replicas": 1},
         ],
     }
-    app = start_app(config, free_port(), hf_dir)
+    app = start_app(config, free_port(), hf_dir, devices=5)
     app.embed_model_dir = build_tiny_encoder()
+    app.vlm_model_dir = build_tiny_vlm()
     try:
         yield app
     finally:

@@ -49,7 +49,7 @@ def test_openai_client_greedy_matches_transformers(demo_app: RunningApp) -> None
     streamed = client.chat.completions.create(messages=messages, stream=True, **kw)
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat_expected
 
-    assert sorted(m.id for m in client.models.list().data) == ["demo", "embed", "qwen"]
+    assert sorted(m.id for m in client.models.list().data) == ["demo", "embed", "qwen", "vision"]
 
 
 def test_requests_are_routed_by_model_field(demo_app: RunningApp) -> None:
@@ -302,6 +302,111 @@ def test_bad_pooling_input_gets_openai_style_4xx(
         timeout=120,
     )
     assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 128
+
+
+def _vision_messages(image, question: str) -> list[dict]:
+    from tests.vision import data_url
+
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url(image)}},
+                {"type": "text", "text": question},
+            ],
+        }
+    ]
+
+
+def test_chat_embeddings_and_vision_served_together(demo_app: RunningApp) -> None:
+    """The mixed app: a vision-language chat with a data-URL image (and a text-only one) on
+    the tiny LLaVA equals transformers' greedy output, while chat completions run on the demo
+    model and embeddings on the BERT, all at once."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from tests.embeddings import TEXTS
+    from tests.vision import hf_chat_prompt, hf_vlm_greedy, make_image
+
+    client = openai.OpenAI(base_url=f"{demo_app.url}/v1", api_key=API_KEY, max_retries=0)
+    greedy = {"max_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    image = make_image(7, 90, 60)
+    with_image = _vision_messages(image, "what is in the picture?")
+    text_only = [{"role": "user", "content": "no picture this time"}]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        vision = [
+            pool.submit(client.chat.completions.create, model="vision", messages=m, **greedy)
+            for m in (with_image, text_only)
+        ]
+        chat = pool.submit(
+            client.chat.completions.create,
+            model="demo",
+            messages=[{"role": "user", "content": "write a loop"}],
+            max_tokens=16,
+        )
+        embedded = pool.submit(client.embeddings.create, model="embed", input=TEXTS)
+        replies = [f.result().choices[0].message.content for f in vision]
+        assert chat.result().choices[0].message.content
+        assert len(embedded.result().data) == len(TEXTS)
+    tokenizer = AutoTokenizer.from_pretrained(demo_app.vlm_model_dir)
+    for reply, messages, images in ((replies[0], with_image, [image]), (replies[1], text_only, [])):
+        prompt = hf_chat_prompt(demo_app.vlm_model_dir, messages)
+        _, want = hf_vlm_greedy(demo_app.vlm_model_dir, prompt, images, 16)
+        assert reply == tokenizer.decode(want, skip_special_tokens=True), (reply, want)
+    assert replies[0] != replies[1]
+
+
+def _png_data_url(width: int, height: int) -> str:
+    from PIL import Image
+
+    from tests.vision import data_url
+
+    return data_url(Image.new("RGB", (width, height)))
+
+
+@pytest.mark.parametrize(
+    ("model", "url", "status", "needle"),
+    [
+        ("demo", "tiny", 400, "does not accept images"),
+        ("vision", "https://example.com/cat.png", 400, "data: urls"),
+        ("vision", "data:image/png;base64,@@not-base64@@", 400, "base64"),
+        ("vision", "data:image/png;base64,aGVsbG8gd29ybGQ=", 400, "cannot be decoded"),
+        ("vision", "huge", 413, "pixels"),
+    ],
+)
+def test_bad_image_input_gets_openai_style_4xx(
+    demo_app: RunningApp, model: str, url: str, status: int, needle: str
+) -> None:
+    url = {"tiny": _png_data_url(8, 8), "huge": _png_data_url(5000, 4000)}.get(url, url)
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "?"},
+            ],
+        }
+    ]
+    body = {"model": model, "messages": messages, "max_tokens": 2}
+    r = httpx.post(f"{demo_app.url}/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status and error["type"]
+    assert needle in error["message"].lower(), error["message"]
+    from tests.vision import make_image
+
+    ok = httpx.post(
+        f"{demo_app.url}/v1/chat/completions",
+        json={
+            "model": "vision",
+            "messages": _vision_messages(make_image(1), "ok?"),
+            "max_tokens": 2,
+        },
+        headers=AUTH,
+        timeout=120,
+    )
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] == 2
 
 
 def test_health_reflects_a_dead_replica(demo_app: RunningApp) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from rbln_ray.cli.main import main as cli_main
+from rbln_ray.compile.vision import VISION_FAMILIES, vision_family_for_dir
 from rbln_ray.compile.zoo import (
     FAMILIES,
     GREEDY_TEST,
@@ -150,3 +151,22 @@ def test_build_model_builds_every_family_as_the_table_says(
     )
     assert family_for_dir(out) is family
     assert get_rbln_model_info(config) == (name, family.optimum_class)
+
+
+@pytest.mark.parametrize("name", list(VISION_FAMILIES))
+def test_build_model_builds_every_vision_language_family(
+    tmp_path: Path, capsys: pytest.CaptureFixture, name: str
+) -> None:
+    """``rbln-ray build-model llava`` writes a model directory with the image processor and
+    the chat template vLLM's multimodal processor loads, recognised as its family."""
+    from transformers import AutoProcessor
+
+    out = tmp_path / name
+    assert cli_main(["build-model", name, "--out", str(out), "--num-layers", "1"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [VISION_FAMILIES[name].architecture]
+    assert config["text_config"]["num_hidden_layers"] == 1
+    assert vision_family_for_dir(out) is VISION_FAMILIES[name]
+    processor = AutoProcessor.from_pretrained(out)
+    assert processor.image_token == "<image>" and processor.chat_template

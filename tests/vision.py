@@ -1,0 +1,89 @@
+"""Inputs and the reference shared by the vision-language tests (``vllm.LLM`` and the Serve
+app): deterministic images, data URLs, and transformers' own greedy ``generate`` on the
+processor's inputs."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+VLM_MAX_LEN = 512  # the tiny VLM's compiled max_seq_len in tests
+VLM_BATCH = 4
+
+
+def make_image(seed: int, width: int = 64, height: int = 48):
+    """A deterministic RGB noise image (the processor resizes and crops it)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def image_spec(seed: int, width: int = 64, height: int = 48) -> dict[str, int]:
+    """How a request names an image across a process boundary (``rbln_llm_run.py``)."""
+    return {"seed": seed, "width": width, "height": height}
+
+
+def data_url(image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def compiled_vlm(family: str = "llava") -> Path:
+    """A tiny vision-language model compiled on the emulator (batch 4, 512 tokens; cached)."""
+    os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
+    from rbln_ray.compile import CompileSettings, resolve_compiled_dir
+    from rbln_ray.models import build_tiny_vlm
+
+    settings = CompileSettings(
+        batch_size=VLM_BATCH, max_seq_len=VLM_MAX_LEN, decoder_batch_sizes=(4, 2, 1)
+    )
+    return resolve_compiled_dir(build_tiny_vlm(family=family), settings)
+
+
+_MODELS: dict[str, Any] = {}
+
+
+def _reference(model_dir: Path):
+    import torch
+    import transformers
+
+    key = str(model_dir)
+    if key not in _MODELS:
+        model = transformers.AutoModelForImageTextToText.from_pretrained(
+            key, dtype=torch.float32
+        ).eval()
+        model.generation_config.eos_token_id = None  # as vLLM's ignore_eos
+        _MODELS[key] = (model, transformers.AutoProcessor.from_pretrained(key))
+    return _MODELS[key]
+
+
+def hf_vlm_greedy(
+    model_dir: Path, prompt: str, images: list, max_new_tokens: int
+) -> tuple[list[int], list[int]]:
+    """transformers' (prompt token ids, greedy new token ids) for a text prompt with its
+    images, prepared by the model's own HF processor."""
+    import torch
+
+    model, processor = _reference(model_dir)
+    inputs = processor(images=images or None, text=[prompt], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=model.config.text_config.pad_token_id,
+        )
+    prompt_ids = inputs["input_ids"][0].tolist()
+    return prompt_ids, out[0, len(prompt_ids) :].tolist()
+
+
+def hf_chat_prompt(model_dir: Path, messages: list[dict]) -> str:
+    """The prompt the model's chat template renders for OpenAI-style ``messages``."""
+    _, processor = _reference(model_dir)
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
