@@ -186,6 +186,11 @@ class _Ledger:
             finally:
                 os.close(held.fd)
 
+    def held_devices(self) -> list[tuple[str, int]]:
+        """(node, physical id) of the devices this process holds now."""
+        with self._lock:
+            return [key for key, held in self._held.items() if held.pid == os.getpid()]
+
     def charge(self, key: tuple[str, int], owner: str, nbytes: int, what: str) -> None:
         """Charge ``nbytes`` to ``owner`` on a held device, split evenly over its chiplets;
         fail like the NPU when a chiplet's DRAM runs out."""
