@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rbln_ray.common.artifact_files import RBLN_CONFIG
+from rbln_ray.common.artifact_files import RBLN_CONFIG, architectures
 
 logger = logging.getLogger(__name__)
 
@@ -77,17 +77,10 @@ ENCODERS: dict[str, EncoderFamily] = {
 }
 
 
-def _architectures(model_dir: Path) -> list[str]:
-    path = model_dir / "config.json"
-    if not path.is_file():
-        return []
-    return list(json.loads(path.read_text()).get("architectures") or [])
-
-
 def encoder_for_dir(model_dir: str | Path) -> EncoderFamily | None:
     """The encoder family of an HF or compiled directory, or None for anything else."""
     by_arch = {f.architecture: f for f in ENCODERS.values()}
-    for arch in _architectures(Path(model_dir)):
+    for arch in architectures(model_dir):
         if arch in by_arch:
             return by_arch[arch]
     return None

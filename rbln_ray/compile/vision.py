@@ -16,12 +16,12 @@ served by ``vllm.LLM`` with ``multi_modal_data`` is greedy token-exact against t
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rbln_ray.common.artifact_files import architectures
 from rbln_ray.compile.settings import rbln_kwargs
 
 logger = logging.getLogger(__name__)
@@ -59,12 +59,8 @@ LANGUAGE_MODEL = "language_model"
 
 def vision_family_for_dir(model_dir: str | Path) -> VisionLanguageFamily | None:
     """The vision-language family of an HF or compiled directory, or None for anything else."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        return None
-    archs = json.loads(path.read_text()).get("architectures") or []
     by_arch = {f.architecture: f for f in VISION_FAMILIES.values()}
-    return next((by_arch[a] for a in archs if a in by_arch), None)
+    return next((by_arch[a] for a in architectures(model_dir) if a in by_arch), None)
 
 
 def compile_vision_language(
