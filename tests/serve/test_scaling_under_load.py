@@ -45,6 +45,10 @@ REDEPLOY_CLIENTS = 4
 # Two replica starts one after the other (the second needs the old replica's device), each
 # ~80 s alone on this 2-core machine and up to ~3x that beside another test file: a hang guard.
 REDEPLOY_DEADLINE_S = 780
+# One replica start under load: ~80 s alone, but here beside 16 clients keeping the first
+# replica's engine busy on one core and another test file on the other (CI once took > 300 s):
+# a hang guard, checked only after Serve has decided to scale (a separate, short wait).
+SCALE_UP_START_DEADLINE_S = 600
 AUTOSCALING = {
     "min_replicas": 1,
     "max_replicas": 3,
@@ -200,6 +204,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             serve.shutdown()
 
 
+@pytest.mark.timeout(1800)  # the app start, the scale-up's deadline and the way back down
 def test_autoscaling_up_under_load_waits_for_devices_and_back_down(cluster: Cluster) -> None:
     import ray
 
@@ -210,7 +215,12 @@ def test_autoscaling_up_under_load_waits_for_devices_and_back_down(cluster: Clus
     assert total == 2 and ray.available_resources().get("RBLN", 0) == 1
 
     with Load(cluster.url, clients=16) as load:
-        up = wait_for(lambda: replicas() >= 2, 300, "scaled up to 2 replicas")
+        decided = wait_for(
+            lambda: replicas() + replicas("STARTING") >= 2, 120, "Serve decides to scale up"
+        )
+        up = decided + wait_for(
+            lambda: replicas() >= 2, SCALE_UP_START_DEADLINE_S, "second replica RUNNING"
+        )
         # The third replica has no device to go to: it waits, and Serve says why.
         wait_for(
             lambda: "to be scheduled" in deployment_message(),
@@ -221,7 +231,7 @@ def test_autoscaling_up_under_load_waits_for_devices_and_back_down(cluster: Clus
         assert replicas() == 2 and ray.available_resources().get("RBLN", 0) == 0
         sent_while_waiting = len(load.outcomes)
         wait_for(lambda: len(load.outcomes) >= sent_while_waiting + 16, 300, "traffic served")
-    print(f"scaled 1 -> 2 in {up:.0f} s under load; {message}")
+    print(f"scaled 1 -> 2 in {up:.0f} s under load (decided in {decided:.0f} s); {message}")
     assert "RBLN" in message, message
     assert not load.failed, load.failed[:5]
 
