@@ -27,9 +27,10 @@ SERIAL_GROUPS = {
     "tests/reliability/": "tests/reliability",
 }
 
-# Seconds each unit of work took in `make test` on this 2-core machine (2 workers; README,
-# "Tests"), for units over a minute. xdist hands units out longest first, so a long one never
-# starts last while the other worker idles (xdist's default order is most tests first);
+# Seconds each unit of work took in an earlier `make test` on this 2-core machine (2 workers;
+# README, "Tests"), for units over a minute: a ranking, not a budget (the run of 2ffa45b kept
+# this order and left neither worker idle). xdist hands units out longest first, so a long one
+# never starts last while the other worker idles (xdist's default order is most tests first);
 # units not listed follow in file order. Only the order depends on these numbers.
 UNIT_SECONDS = {
     MULTINODE: 800,
