@@ -28,10 +28,10 @@ SERIAL_GROUPS = {
 }
 
 # Seconds each unit of work took in an earlier `make test` on this 2-core machine (2 workers;
-# README, "Tests"), for units over a minute: a ranking, not a budget (the run of 2ffa45b kept
-# this order and left neither worker idle). xdist hands units out longest first, so a long one
-# never starts last while the other worker idles (xdist's default order is most tests first);
-# units not listed follow in file order. Only the order depends on these numbers.
+# README, "Tests"), for units over a minute; only the order depends on them (the run of 2ffa45b
+# kept this order and left neither worker idle). xdist hands units out longest first, so a long
+# one never starts last while the other worker idles (xdist's default order is most tests
+# first); units not listed follow in file order.
 UNIT_SECONDS = {
     MULTINODE: 800,
     "tests/reliability": 700,
