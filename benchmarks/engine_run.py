@@ -56,11 +56,15 @@ def _engine_kwargs(spec: dict) -> dict:
 EXTENSION = "rbln_ray.emulator.call_log.RuntimeCallsExtension"
 
 
-def _rbln_stats(rpc) -> dict:
-    """Rank 0's step counters and call log, and every rank's call totals (pipeline stages)."""
+def _rbln_stats(rpc, all_ranks: bool = False) -> dict:
+    """Rank 0's step counters and call log, and every rank's call totals (pipeline stages);
+    with ``all_ranks`` every rank's whole call log too (pipeline timelines)."""
     calls = rpc("emulator_calls")
     totals = [{k: v for k, v in c.items() if k != "calls"} for c in calls]
-    return {"step_stats": rpc("step_stats")[0], "calls": calls[0], "calls_by_rank": totals}
+    stats = {"step_stats": rpc("step_stats")[0], "calls": calls[0], "calls_by_rank": totals}
+    if all_ranks:
+        stats["call_logs_by_rank"] = [c["calls"] for c in calls]
+    return stats
 
 
 def _params(spec: dict, n: int, output_len: int, jitter: float) -> list:
@@ -119,7 +123,7 @@ def _generate(llm, spec: dict, prompts: list[list[int]], output_len: int, jitter
         "engine_core_cpu_share": engine_cpu / elapsed,
     }
     if rbln:
-        stats = _rbln_stats(llm.collective_rpc)
+        stats = _rbln_stats(llm.collective_rpc, spec.get("all_rank_calls", False))
         stats["step_stats_before"] = before
         stats["window"] = [start, start + elapsed]
         result["rbln"] = stats

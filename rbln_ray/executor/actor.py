@@ -7,6 +7,8 @@ and NCCL machinery our workers never use, and assumes one device per worker. Thi
   several raylets on one machine each own devices 0..N-1, as real hosts would;
 * builds the worker through vLLM's ``WorkerWrapperBase`` with ``local_rank=0``: Ray already
   narrowed ``RBLN_DEVICES`` to this actor's devices, and the worker indexes into them;
+* runs control calls only (start-up, RPCs); scheduler steps reach the worker's step loop on a
+  stream of their own (``rbln_ray.vllm_plugin.step_loop``), not as actor calls;
 * exposes ``sentinel()`` in its own concurrency group: it never returns, so its ObjectRef
   completes (with an error) exactly when the actor dies, which the executor's monitor watches.
 """

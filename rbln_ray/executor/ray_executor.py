@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import logging
 import pickle
+import select
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import cloudpickle
 import ray
@@ -35,9 +36,11 @@ from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import ModelRunnerOutput
 
+from rbln_ray.common import framing
 from rbln_ray.executor import placement
 from rbln_ray.executor.actor import LIVENESS_GROUP, RBLNWorkerActor
 from rbln_ray.executor.cluster import connect, worker_env
+from rbln_ray.vllm_plugin.step_loop import ERROR, STEP
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +67,28 @@ class _Worker:
             f"RBLN worker rank {self.rank} (node {self.node_id[:8]} {self.node_ip}, "
             f"RBLN_DEVICES={self.rbln_devices})"
         )
+
+
+class _StepFuture(Future):
+    """A step's ``Future``, resolved by the caller's ``result()`` from the result stream (in
+    the engine thread, with the executor's failure checks)."""
+
+    def __init__(self, executor: RBLNRayExecutor, seq: int) -> None:
+        super().__init__()
+        self._executor = executor
+        self._seq = seq
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not super().done():
+            try:
+                value = self._executor._step_result(self._seq, timeout)
+            except TimeoutError:
+                raise  # still pending: the caller may wait again
+            except BaseException as e:  # noqa: BLE001 - stored and re-raised by Future
+                self.set_exception(e)
+            else:
+                self.set_result(value)
+        return super().result()
 
 
 class _RefsFuture(Future):
@@ -119,6 +144,9 @@ class RBLNRayExecutor(Executor):
         self._resources = _Resources(self._workers)
         self._monitor: threading.Thread | None = None
         self._held_step: SchedulerOutput | None = None  # see execute_model
+        self._next_seq = 0  # every step's number, in the order the workers must run them
+        self._streams: list[Any] = []  # the step stream to each worker (_open_step_streams)
+        self._results: dict[int, Any] = {}  # step results read ahead of their future
 
         connect(self.vllm_config)
         artifact = compiled_model(self.vllm_config)
@@ -133,12 +161,9 @@ class RBLNRayExecutor(Executor):
             self._start_monitor()
             self.collective_rpc("init_device")
             self.collective_rpc("load_model")
-            # Pipeline ranks: each knows its successor (vLLM's PP send/recv neighbours).
-            nexts = [
-                w.actor.execute_method.remote("set_next_stage", nxt.actor)
-                for w, nxt in zip(self._workers, self._workers[1:], strict=False)
-            ]
-            self._wait(nexts, None)
+            if len(self._workers) > 1:
+                self._connect_stages()
+            self._open_step_streams()
         except BaseException:
             self.shutdown()
             raise
@@ -187,6 +212,51 @@ class RBLNRayExecutor(Executor):
         self._wait(
             [
                 w.actor.init_worker.remote(self.vllm_config, w.rank, w.rank == 0)
+                for w in self._workers
+            ],
+            None,
+        )
+
+    def _connect_stages(self) -> None:
+        """One hidden-state stream per stage boundary, rank to rank (vLLM's pipeline-parallel
+        send/recv neighbours; ``rbln_ray.pipeline.channel``): every rank after the first
+        listens, every rank before the last connects, then the listeners accept."""
+        later = self._workers[1:]
+        tokens = [framing.new_token() for _ in later]
+        addresses = self._wait(
+            [
+                w.actor.execute_method.remote("open_inbound", token)
+                for w, token in zip(later, tokens, strict=True)
+            ],
+            None,
+        )
+        connects = [
+            w.actor.execute_method.remote("connect_outbound", address, token)
+            for w, address, token in zip(self._workers, addresses, tokens, strict=False)
+        ]
+        self._wait(connects, None)
+        self._wait([w.actor.execute_method.remote("accept_inbound") for w in later], None)
+
+    def _open_step_streams(self) -> None:
+        """One step stream from the engine to every worker (``rbln_ray.vllm_plugin.step_loop``):
+        the worker listens, the engine connects, the worker accepts and starts its loop. The
+        last rank's stream also carries the step results back."""
+        tokens = [framing.new_token() for _ in self._workers]
+        addresses = self._wait(
+            [
+                w.actor.execute_method.remote("open_step_stream", token)
+                for w, token in zip(self._workers, tokens, strict=True)
+            ],
+            None,
+        )
+        self._streams = [
+            framing.connect(address, token)
+            for address, token in zip(addresses, tokens, strict=True)
+        ]
+        last = len(self._workers) - 1
+        self._wait(
+            [
+                w.actor.execute_method.remote("accept_step_stream", w.rank == last)
                 for w in self._workers
             ],
             None,
@@ -248,24 +318,56 @@ class RBLNRayExecutor(Executor):
     def _run_step(
         self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None, non_block
     ) -> Any:
-        """Send one step into the pipeline: rank 0 runs it and hands it, with its hidden
-        states, straight to rank 1 (``PipelineWorker.execute_stage``), and so on; the engine
-        follows the chain of result refs to the last rank's sampled output. Hidden states and
-        control move worker to worker, one Ray call per stage boundary, never through the
-        engine; with S ranks and vLLM's batch queue of S, every stage works on its own
+        """Send step ``seq`` to every rank's step loop at once; its result comes back on the
+        last rank's stream. A pipeline rank prepares the step's inputs as soon as it arrives
+        and runs it when the previous rank's hidden states arrive on their own stream
+        (``PipelineWorker.run_step``): hidden states move worker to worker, never through the
+        engine, and with S ranks and vLLM's batch queue of S every stage works on its own
         micro-batch at once."""
         self._raise_if_failed()
-        step: Any = scheduler_output
-        if len(self._workers) > 1:
-            # Pickled once here, forwarded as bytes rank to rank (each rank unpickles it):
-            # re-serialising the step at every stage boundary was most of a rank's host time.
-            step = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
-        ref = self._workers[0].actor.execute_method.remote(
-            "execute_stage", step, grammar_output, None
-        )
-        if non_block:
-            return _RefsFuture(self, [ref], True)
-        return self._wait([ref], None)[0]
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        payload = pickle.dumps((scheduler_output, grammar_output), protocol=pickle.HIGHEST_PROTOCOL)
+        for worker, stream in zip(self._workers, self._streams, strict=True):
+            try:
+                framing.send_frame(stream, STEP, seq, payload)
+            except framing.StreamClosed as e:
+                self._stream_broke(worker, e)
+        future = _StepFuture(self, seq)
+        return future if non_block else future.result()
+
+    def _step_result(self, seq: int, timeout: float | None) -> ModelRunnerOutput:
+        """Step ``seq``'s output, read from the last rank's stream (results come in order)."""
+        worker, stream = self._workers[-1], self._streams[-1]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while seq not in self._results:
+            self._raise_if_failed()
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                ready, _, _ = select.select([stream], [], [], max(0.0, left))
+                if not ready:
+                    raise TimeoutError(f"step {seq}: no result from the RBLN worker in {timeout} s")
+            try:
+                kind, got, payload = framing.recv_frame(stream)
+            except framing.StreamClosed as e:
+                self._stream_broke(worker, e)
+            if kind == ERROR:
+                self._results[got] = RuntimeError(
+                    f"{worker.describe()} failed step {got}:\n{payload.decode()}"
+                )
+            else:
+                self._results[got] = pickle.loads(payload)  # from our own worker
+        value = self._results.pop(seq)
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+    def _stream_broke(self, worker: _Worker, error: Exception) -> NoReturn:
+        """A step stream closed under the engine: the worker died or stopped (or the executor
+        failed and closed it)."""
+        self._raise_if_failed()
+        reason = f"{worker.describe()} died: its step stream closed ({error})"
+        self._fail(reason)
+        raise RBLNWorkerDiedError(reason) from error
 
     def _wait(self, refs: list[Any], timeout: float | None) -> list[Any]:
         """``ray.get`` that raises at once when any worker fails or the executor is failed."""
@@ -279,9 +381,7 @@ class RBLNRayExecutor(Executor):
             ready, pending = ray.wait(pending, num_returns=1, timeout=budget)
             for ref in ready:
                 self._get_one(ref)  # surfaces a worker's error or death now
-        values = [self._get_one(ref) for ref in refs]
-        # A pipeline rank returns the next rank's result ref (ranks call each other).
-        return [self._wait([v], timeout)[0] if isinstance(v, ray.ObjectRef) else v for v in values]
+        return [self._get_one(ref) for ref in refs]
 
     def _get_one(self, ref: Any) -> Any:
         try:
@@ -333,9 +433,14 @@ class RBLNRayExecutor(Executor):
             self._failed = reason
             callback, self._failure_callback = self._failure_callback, None
         logger.error("RBLN Ray executor failed: %s", reason)
+        self._close_streams()  # wakes an engine thread blocked on a result
         if callback is not None:
             callback()
         self._resources.release()
+
+    def _close_streams(self) -> None:
+        for stream in self._streams:
+            framing.close(stream)
 
     # -- shutdown -------------------------------------------------------------------------
 
@@ -360,6 +465,7 @@ class RBLNRayExecutor(Executor):
                     ray.wait(refs, num_returns=len(refs), timeout=STOP_TIMEOUT_S)
                 except Exception:  # noqa: BLE001 - best effort; the actors are killed next
                     logger.warning("graceful RBLN worker shutdown failed", exc_info=True)
+            self._close_streams()
         self._resources.release()
 
 

@@ -6,23 +6,24 @@ runs its own layers with the unchanged ``RBLNModelRunner`` over a
 :class:`~rbln_ray.pipeline.stage.StageModel`. The first rank embeds token ids, every later one
 takes the previous rank's hidden states, and the last one samples; ranks before the last
 learn the sampled tokens from the next scheduler output (vLLM's pipeline-parallel contract).
-Each rank hands the step and its hidden states straight to the next rank's actor, so they
-move worker to worker, never through vLLM's engine process, and vLLM's batch queue keeps one
-micro-batch in every stage.
+The executor sends every step to every rank at once; each rank streams its hidden states
+straight to the next rank (:mod:`~rbln_ray.pipeline.channel`), so they move worker to
+worker, never through vLLM's engine process, and vLLM's batch queue keeps one micro-batch in
+every stage.
 """
 
 from __future__ import annotations
 
 import logging
-import pickle
-from typing import Any
 
-import numpy as np
-import torch
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 
+from rbln_ray.common import framing
+from rbln_ray.pipeline.channel import HiddenStream, StageFailure
 from rbln_ray.pipeline.stage import StageModel
 from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner
+from rbln_ray.vllm_plugin.step_loop import Deferred
 from rbln_ray.vllm_plugin.worker import RBLNWorker
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,9 @@ class PipelineWorker(RBLNWorker):
     """Loads stage ``rank`` of a staged artifact and runs it as pipeline rank ``rank``."""
 
     stage: StageModel
-    next_stage: Any = None  # the Ray actor of rank + 1 (None on the last rank)
+    _listener: framing.Listener | None = None
+    _receiver: HiddenStream | None = None  # from rank - 1 (None on the first rank)
+    _sender: HiddenStream | None = None  # to rank + 1 (None on the last rank)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         from rbln_ray.emulator import require_runtime
@@ -48,32 +51,60 @@ class PipelineWorker(RBLNWorker):
             last_stage=self.rank == self.artifact.num_stages - 1,
         )
 
-    def set_next_stage(self, actor: Any) -> None:
-        """The successor rank's actor (the executor wires every rank to the next)."""
-        self.next_stage = actor
+    @property
+    def urgent_results(self) -> bool:
+        """The last rank sends each result at once: the engine's turn-around to the next
+        micro-batch is on the pipeline's critical path, and this rank's next step waits for
+        the previous rank anyway."""
+        return self._receiver is not None and self._sender is None
 
-    def execute_stage(  # type: ignore[override]
-        self,
-        step: bytes,
-        grammar_output: GrammarOutput | None,
-        hidden: np.ndarray | None = None,
-    ) -> Any:
-        """This rank's share of one step, then the step goes to the next rank directly: the
-        returned ref resolves to the last rank's output. Returning at once (not waiting for
-        the next rank) frees this stage for the next micro-batch.
+    # -- the hidden-state streams (set up by the executor, see rbln_ray.pipeline.channel) --
+    def open_inbound(self, token: str) -> tuple[str, int]:
+        """Listen for the previous rank's stream; the address it should connect to."""
+        import ray
 
-        The step arrives pickled once by the executor and is forwarded as the same bytes;
-        hidden states travel as numpy arrays, which Ray serialises without pickling (a torch
-        tensor goes through ``torch.save``). Re-serialising both at every boundary was, when
-        measured, half of a rank's host time per step.
+        self._listener = framing.Listener(ray.util.get_node_ip_address(), token)
+        return self._listener.address
+
+    def connect_outbound(self, address: tuple[str, int], token: str) -> None:
+        """Connect this rank's stream to the next rank's :meth:`open_inbound` address."""
+        self._sender = HiddenStream(framing.connect(tuple(address), token), self.rank + 1)
+
+    def accept_inbound(self) -> None:
+        """Take the previous rank's connection (made by its :meth:`connect_outbound`)."""
+        if self._listener is None:
+            raise RuntimeError(f"pipeline rank {self.rank}: accept_inbound before open_inbound")
+        conn, self._listener = self._listener.accept(), None
+        self._receiver = HiddenStream(conn, self.rank - 1)
+
+    def run_step(  # type: ignore[override]
+        self, seq: int, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput | Deferred:
+        """This rank's share of step ``seq``: its layers, then the hidden states straight to
+        the next rank's actor, or (last rank) the sampled output for the engine.
+
+        Every rank gets every step from the engine at once, so it updates its request state
+        and builds the step's inputs while the previous rank still computes; only the device
+        call waits for the previous rank's hidden states, read from its stream
+        (:mod:`~rbln_ray.pipeline.channel`).
         """
-        scheduler_output: SchedulerOutput = pickle.loads(step)  # from our own executor
-        x = None if hidden is None else torch.from_numpy(hidden.copy())
-        output = super().execute_stage(scheduler_output, grammar_output, x)
-        if self.next_stage is None:
+        receiver = self._receiver
+        receive = None if receiver is None else lambda: receiver.receive(seq)
+        try:
+            output = self.model_runner.execute_model(scheduler_output, receive)
+        except BaseException as e:
+            if self._sender is not None and scheduler_output.total_num_scheduled_tokens:
+                # The next rank waits for this step's hidden states: tell it why none come.
+                self._sender.send_failure(seq, StageFailure(self.rank, repr(e)))
+            raise
+        if self._sender is not None:
+            if output is not None:
+                self._sender.send(seq, output)
+            return self.finish_later(lambda: None)
+        if output is not None:
+            self._observe_step()
             return output
-        out = None if output is None else output.numpy()
-        return self.next_stage.execute_method.remote("execute_stage", step, grammar_output, out)
+        return self.finish_later(self.model_runner.sample(grammar_output))
 
     def step_stats(self) -> dict:
         return {**super().step_stats(), "stage_device_seconds": self.stage.device_seconds}
@@ -87,5 +118,8 @@ class PipelineWorker(RBLNWorker):
         }
 
     def shutdown(self) -> None:
-        self.stage = None  # type: ignore[assignment]
+        for end in (self._receiver, self._sender):
+            if end is not None:
+                end.close()
         super().shutdown()
+        self.stage = None  # type: ignore[assignment]

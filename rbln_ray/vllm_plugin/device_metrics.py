@@ -18,6 +18,7 @@ by the replica and forwarded to its workers), the node and the devices (``RBLN_D
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from rbln_ray.common import envs
@@ -63,6 +64,7 @@ class DeviceMetrics:
         }
         self._last: dict[str, float] = {}
         self.batch_size = batch_size
+        self._lock = threading.Lock()  # the Ray threads finishing steps may overlap
 
     @classmethod
     def for_this_worker(cls, model: str, batch_size: int) -> DeviceMetrics | None:
@@ -81,6 +83,10 @@ class DeviceMetrics:
     def observe(self, stats: Any, slots_in_use: int) -> None:
         """Record one step: counters by what ``stats`` (a StepStats) gained since the last
         call, the gauges at their current values."""
+        with self._lock:
+            self._record(stats, slots_in_use)
+
+    def _record(self, stats: Any, slots_in_use: int) -> None:
         for name, (field, _) in COUNTERS.items():
             value = getattr(stats, field)
             delta = value - self._last.get(field, 0)

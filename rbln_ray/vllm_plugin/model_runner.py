@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,9 @@ from rbln_ray.vllm_plugin.image_inputs import PromptEmbedder
 from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK, BlockLayout, KVCopy, KVStepPlan
 
 logger = logging.getLogger(__name__)
+
+# A pipeline rank's source of the previous rank's hidden states for the step (None: token ids).
+Receive = Callable[[], torch.Tensor] | None
 
 
 @dataclass
@@ -120,19 +124,35 @@ class RBLNModelRunner:
         # prompt chunk (nothing to sample).
         self._pending: tuple[SchedulerOutput, torch.Tensor] | ModelRunnerOutput | None = None
         self._starting: set[str] = set()  # requests whose prefill begins this step
+        # Called once a prefill or decode step's inputs are built, before its device call (and
+        # before waiting for a previous pipeline rank's hidden states): the step loop hands the
+        # previous step's output to the engine then, so that work overlaps the device.
+        self.before_device: Callable[[], None] | None = None
 
     # ----------------------------------------------------------------- request state
     def _update_states(self, so: SchedulerOutput) -> None:
-        """Mirror the scheduler's view of requests into ``requests`` and the input batch."""
+        """Mirror the scheduler's view of requests into ``requests`` and, on the rank that
+        samples, vLLM's input batch (the sampler's state). Pipeline ranks before the last
+        never sample, so they skip the batch: with S micro-batches taking turns, it would
+        drop and re-add every request at every step (~0.3 ms a step, measured)."""
+        if not self.last_stage:
+            self._update_requests(so, None)
+            return
         batch = self.input_batch
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
             batch.remove_request(req_id)
-            if self.embedder is not None:
-                self.embedder.forget(req_id)
         for req_id in list(batch.req_id_to_index):
             if req_id not in so.num_scheduled_tokens:
                 batch.remove_request(req_id)
+        self._update_requests(so, batch)
+        batch.condense()
+        batch.refresh_metadata()
+
+    def _update_requests(self, so: SchedulerOutput, batch: InputBatch | None) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            if self.embedder is not None:
+                self.embedder.forget(req_id)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             generator = None
@@ -150,7 +170,8 @@ class RBLNModelRunner:
                 output_token_ids=[],
             )
             self.requests[new.req_id] = state
-            batch.add_request(state)
+            if batch is not None:
+                batch.add_request(state)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
@@ -168,10 +189,8 @@ class RBLNModelRunner:
             elif new_blocks is not None:
                 for ids, extra in zip(state.block_ids, new_blocks, strict=True):
                     ids.extend(extra)
-            if req_id not in batch.req_id_to_index:
+            if batch is not None and req_id not in batch.req_id_to_index:
                 batch.add_request(state)
-        batch.condense()
-        batch.refresh_metadata()
 
     def _table_row(self, blocks: list[int]) -> list[int]:
         width = self.layout.segments_per_seq
@@ -224,7 +243,7 @@ class RBLNModelRunner:
 
     # ----------------------------------------------------------------- device calls
     def _prefill(
-        self, so: SchedulerOutput, plan: KVStepPlan, req_id: str, hidden: torch.Tensor | None
+        self, so: SchedulerOutput, plan: KVStepPlan, req_id: str, receive: Receive
     ) -> torch.Tensor:
         state = self.requests[req_id]
         computed = state.num_computed_tokens
@@ -245,13 +264,15 @@ class RBLNModelRunner:
             inputs["inputs_embeds"] = embeds[start:end].unsqueeze(0)
             if end == len(tokens):  # the last chunk: later steps decode token ids
                 self.embedder.forget(req_id)
-        elif hidden is None:
+        elif receive is None:
             inputs["input_ids"] = torch.tensor([tokens[start:end]], dtype=torch.long)
-        else:
-            inputs["input_ids"] = hidden
         positions = torch.arange(start, end, dtype=torch.int32).unsqueeze(0)
         table = torch.tensor(self._table_row(plan.tables[req_id]), dtype=torch.int16)
         inputs.update(self._block_inputs(table, [plan.slots.get(req_id)], prefill=True))
+        if self.before_device is not None:
+            self.before_device()
+        if receive is not None:  # the previous stage's hidden states, the last input to come
+            inputs["input_ids"] = receive()
         start_t = time.perf_counter()
         out = self.rbln_model.prefill_decoder(cache_position=positions, **inputs)
         self.stats.device_seconds += time.perf_counter() - start_t
@@ -265,9 +286,7 @@ class RBLNModelRunner:
         self.stats.record("prefill", [req_id])
         return out.logits[:, -1, :] if self.last_stage else out.logits
 
-    def _decode(
-        self, plan: KVStepPlan, req_ids: list[str], hidden: torch.Tensor | None
-    ) -> torch.Tensor:
+    def _decode(self, plan: KVStepPlan, req_ids: list[str], receive: Receive) -> torch.Tensor:
         sizes = self.artifact.decoder_batch_sizes
         idx = bisect.bisect_left(sizes, len(req_ids))
         if idx == len(sizes):
@@ -283,13 +302,12 @@ class RBLNModelRunner:
         ids_in_order = [req_ids[i] for i in order]
         states = [self.requests[r] for r in ids_in_order]
         padding = bs - len(req_ids)
-        if hidden is None:
+        x = None
+        if receive is None:
             x = torch.tensor(
                 [s.get_token_id(p) for s, p in zip(states, pos, strict=True)] + [0] * padding,
                 dtype=torch.long,
             ).view(bs, 1)
-        else:  # the previous stage's rows, in this same order (every rank sorts alike)
-            x = hidden
         cache_pos = torch.tensor(pos + [plan.scratch_position] * padding, dtype=torch.int32)
         cache_pos = cache_pos.view(bs, 1)
         rows = [self._table_row(plan.tables[r]) for r in ids_in_order]
@@ -307,6 +325,10 @@ class RBLNModelRunner:
             )
         if self.artifact.use_position_ids:
             inputs["position_ids"] = cache_pos
+        if self.before_device is not None:
+            self.before_device()
+        if receive is not None:  # the previous stage's rows, in this same order (every rank
+            x = receive()  # sorts alike), the last input to come
         start_t = time.perf_counter()
         out = self.rbln_model.decoders[bs](input_ids=x, cache_position=cache_pos, **inputs)
         self.stats.device_seconds += time.perf_counter() - start_t
@@ -326,21 +348,22 @@ class RBLNModelRunner:
 
     # ----------------------------------------------------------------- vLLM entry points
     def execute_model(
-        self, so: SchedulerOutput, hidden: torch.Tensor | None = None
+        self, so: SchedulerOutput, receive: Receive = None
     ) -> ModelRunnerOutput | torch.Tensor | None:
         """Run the device for this step; :meth:`sample_tokens` then returns its output.
 
         vLLM's engine always follows a step's ``execute_model`` with ``sample_tokens`` (with the
         grammar bitmask of the step's structured-output requests), synchronously or, with
         async scheduling, while it already schedules the next step. The RBLN Ray executor
-        sends both as one call to the worker (see ``RBLNWorker.execute_stage``). A pipeline
-        rank before the last takes the previous rank's ``hidden`` states (the first: token
-        ids) and returns its own for the next rank.
+        sends both as one call to the worker (see ``RBLNWorker.run_step``). A pipeline rank
+        after the first gets the previous rank's hidden states from ``receive``, called once
+        every other input of the step is built (they may still be on their way); a rank
+        before the last returns its own hidden states for the next rank.
         """
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT if self.last_stage else None
-        if not self.first_stage and hidden is None:
+        if not self.first_stage and receive is None:
             raise RuntimeError("pipeline rank without the previous stage's hidden states")
         plan: KVStepPlan | None = getattr(so, "rbln_plan", None)
         if plan is None:
@@ -348,7 +371,9 @@ class RBLNModelRunner:
                 "scheduler output without an RBLN block plan: the engine must run "
                 "rbln_ray.vllm_plugin.scheduler.RBLNScheduler (set by the RBLN platform)"
             )
-        req_ids = list(self.input_batch.req_ids)
+        # Device rows in the scheduler's order, the same on every pipeline rank (only the last
+        # keeps the input batch, whose order the sampler's rows follow: see _in_batch_order).
+        req_ids = list(so.num_scheduled_tokens)
         if plan.kind == "prefill":
             if len(req_ids) != 1:
                 raise RuntimeError(
@@ -358,7 +383,7 @@ class RBLNModelRunner:
             req_id = req_ids[0]
             cached = so.scheduled_cached_reqs
             self._starting = {n.req_id for n in so.scheduled_new_reqs} | cached.resumed_req_ids
-            logits = self._prefill(so, plan, req_id, hidden)
+            logits = self._prefill(so, plan, req_id, receive)
             if not self.last_stage:
                 return logits
             state = self.requests[req_id]
@@ -370,19 +395,36 @@ class RBLNModelRunner:
                 )
                 return None
         else:
-            logits = self._decode(plan, req_ids, hidden)
+            logits = self._decode(plan, req_ids, receive)
             if not self.last_stage:
                 return logits
+            logits = self._in_batch_order(logits, req_ids)
         self._pending = (so, logits.float())
         return None
 
+    def _in_batch_order(self, logits: torch.Tensor, req_ids: list[str]) -> torch.Tensor:
+        """Rows of ``logits`` (in ``req_ids`` order) reordered to the input batch's order."""
+        batch_ids = self.input_batch.req_ids
+        if batch_ids == req_ids:
+            return logits
+        row = {req_id: i for i, req_id in enumerate(req_ids)}
+        return logits[torch.tensor([row[req_id] for req_id in batch_ids])]
+
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """Sample on the host with vLLM's sampler and record the new tokens."""
+        return self.sample(grammar_output)()
+
+    def sample(self, grammar_output: GrammarOutput | None) -> Callable[[], ModelRunnerOutput]:
+        """Sample now and record the new tokens; build the step's ``ModelRunnerOutput`` later.
+
+        Split because the next step's device call needs only the tokens, and on the Ray
+        executor's step loop everything else (the output object, its logprob lists) waits
+        until that call is under way (:attr:`before_device`)."""
         if self._pending is None:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            return lambda: EMPTY_MODEL_RUNNER_OUTPUT
         if isinstance(self._pending, ModelRunnerOutput):  # a prompt chunk: nothing sampled
-            output, self._pending = self._pending, None
-            return output
+            chunk, self._pending = self._pending, None
+            return lambda: chunk
         so, logits = self._pending
         self._pending = None
         batch = self.input_batch
@@ -392,12 +434,14 @@ class RBLNModelRunner:
             apply_grammar_bitmask(so, grammar_output, batch, logits)
         sampled = self.sampler(logits, batch.sampling_metadata)
         token_ids = sampled.sampled_token_ids.tolist()
-        for req_id, (token,) in zip(batch.req_ids, token_ids, strict=True):
+        req_ids = list(batch.req_ids)
+        for req_id, (token,) in zip(req_ids, token_ids, strict=True):
             self._append_token(req_id, token)
+        index = dict(batch.req_id_to_index)
         logprobs = sampled.logprobs_tensors
-        return ModelRunnerOutput(
-            req_ids=list(batch.req_ids),
-            req_id_to_index=dict(batch.req_id_to_index),
+        return lambda: ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index=index,
             sampled_token_ids=token_ids,
             logprobs=logprobs.tolists() if logprobs is not None else None,
         )

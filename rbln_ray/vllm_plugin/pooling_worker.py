@@ -7,7 +7,7 @@ returns its pooled output at once (nothing to sample afterwards).
 
 from __future__ import annotations
 
-from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.core.sched.output import GrammarOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
@@ -48,12 +48,3 @@ class RBLNPoolingWorker(RBLNWorker):
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         return EMPTY_MODEL_RUNNER_OUTPUT  # a step's output came back from execute_model
-
-    def execute_stage(
-        self,
-        scheduler_output: SchedulerOutput,
-        grammar_output: GrammarOutput | None,
-        hidden: object = None,
-    ) -> ModelRunnerOutput:
-        """The Ray executor's one call per step: the pooled output of the step."""
-        return self.execute_model(scheduler_output)
