@@ -53,13 +53,17 @@ def _reference(model_dir: Path):
     import torch
     import transformers
 
+    from rbln_ray.compile.vision import load_hf_processor
+
     key = str(model_dir)
     if key not in _MODELS:
         model = transformers.AutoModelForImageTextToText.from_pretrained(
             key, dtype=torch.float32
         ).eval()
         model.generation_config.eos_token_id = None  # as vLLM's ignore_eos
-        _MODELS[key] = (model, transformers.AutoProcessor.from_pretrained(key))
+        # transformers' AutoProcessor; for Qwen2-VL its processor minus the video processor
+        # (which needs torchvision): rbln_ray.compile.qwen2_vl_processor
+        _MODELS[key] = (model, load_hf_processor(key))
     return _MODELS[key]
 
 

@@ -242,7 +242,11 @@ def parser() -> argparse.ArgumentParser:
     from rbln_ray.compile.vision import VISION_FAMILIES
     from rbln_ray.compile.zoo import FAMILIES
 
-    b.add_argument("family", choices=[*FAMILIES, *ENCODERS, *VISION_FAMILIES, "demo"])
+    b.add_argument(
+        "family",
+        type=lambda name: name.replace("-", "_"),  # qwen2-vl = qwen2_vl, gpt-oss = gpt_oss
+        choices=[*FAMILIES, *ENCODERS, *VISION_FAMILIES, "demo"],
+    )
     b.add_argument("--out", type=Path)
     b.add_argument("--hidden-size", type=int, default=128)
     b.add_argument("--num-layers", type=int, default=2)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rbln_ray.common.artifact_files import PIPELINE_MANIFEST, RBLN_CONFIG
 from rbln_ray.compile.encoders import EncoderArtifact, encoder_for_dir
-from rbln_ray.compile.vision import LANGUAGE_MODEL, vision_family_for_dir
+from rbln_ray.compile.vision import vision_family_for_dir
 
 # A staged (pipeline-parallel) directory's manifest has the same shape keys as rbln_config.json
 # (see pipeline_manifest.py), so one reader serves both.
@@ -93,12 +93,14 @@ class CompiledArtifact:
         raw = json.loads(cfg_path.read_text())
         vision = vision_family_for_dir(path)
         if vision is not None:
-            if raw.get("cls_name") != vision.config_class or LANGUAGE_MODEL not in raw:
+            submodule = vision.language_submodule
+            if raw.get("cls_name") != vision.config_class or (submodule and submodule not in raw):
                 raise ArtifactError(
                     f"{cfg_path} was compiled as {raw.get('cls_name')!r}; "
                     f"{vision.architecture} is served from {vision.config_class}"
                 )
-            raw = raw[LANGUAGE_MODEL]  # the decoder the scheduler and runner drive
+            if submodule:  # the decoder the scheduler and runner drive (else the top level)
+                raw = raw[submodule]
         if "kvcache_block_size" not in raw or "decoder_batch_sizes" not in raw:
             raise ArtifactError(
                 f"{cfg_path} ({raw.get('cls_name', '?')}) is not a decoder-only causal LM artifact"

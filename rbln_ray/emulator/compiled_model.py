@@ -99,28 +99,44 @@ class RBLNCompiledModel:
     def from_torch(
         cls,
         module: torch.nn.Module,
-        input_info: list[tuple[str, list[int], Any]],
+        input_info: list[tuple[str, list[int], Any]] | list[list[tuple[str, list[int], Any]]],
         group: CompileGroup,
         npu: str | None,
         num_devices: int,
     ) -> RBLNCompiledModel:
+        """Snapshot ``module`` for ``input_info``: one list of ``(name, shape, dtype)``, or
+        several (rebel compiles one graph per list, and its runtime runs the one whose input
+        shapes a call matches; optimum-rbln 0.12 compiles Qwen2-VL's vision tower so, one
+        list per ``max_seq_len``). The variants must agree on names, order and KV inputs."""
         graph_id = uuid.uuid4().hex
-        static = set(group.static_names) or {n for n, _, _ in input_info if "past_key_values" in n}
-        inputs, kv = [], {}
-        for name, shape, dtype in input_info:
-            if name in static:
-                kv[name] = (list(shape), str(torch_dtype(dtype)).replace("torch.", ""))
-            else:
-                inputs.append((name, list(shape), str(torch_dtype(dtype)).replace("torch.", "")))
+        variants = input_info if is_multiple_input_info(input_info) else [input_info]
+        first = variants[0]
+        static = set(group.static_names) or {n for n, _, _ in first if "past_key_values" in n}
+        kv: dict[str, tuple[list[int], str]] = {}
+        shapes: list[list[tuple[str, list[int], str]]] = []
+        for variant in variants:
+            if [n for n, _, _ in variant] != [n for n, _, _ in first]:
+                raise ValueError(
+                    "input_info variants must name the same inputs in the same order: "
+                    f"{[n for n, _, _ in first]} vs {[n for n, _, _ in variant]}"
+                )
+            inputs = []
+            for name, shape, dtype in variant:
+                spec = (list(shape), str(torch_dtype(dtype)).replace("torch.", ""))
+                if name not in static:
+                    inputs.append((name, *spec))
+                elif kv.setdefault(name, spec) != spec:
+                    raise ValueError(f"input_info variants disagree on static buffer {name}")
+            shapes.append(inputs)
         if group.weights_owner is None:
             group.weights_owner = graph_id
         snap = _snapshot(module).eval()
         payload = {
             "format": FORMAT,
             "module": snap,
-            "inputs": inputs,
+            "inputs": shapes[0],
             "kv": kv,
-            "input_order": [name for name, _, _ in input_info],
+            "input_order": [name for name, _, _ in first],
             "graph_id": graph_id,
             "group_id": group.group_id,
             "owns_weights": group.weights_owner == graph_id,
@@ -128,6 +144,8 @@ class RBLNCompiledModel:
             "npu": npu,
             "num_devices": int(num_devices or 1),
         }
+        if len(shapes) > 1:
+            payload["input_variants"] = shapes
         return cls(_payload=payload)
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -153,7 +171,13 @@ class RBLNCompiledModel:
 
     @property
     def input_info(self) -> list[tuple[str, list[int], str]]:
+        """The non-KV inputs (of the first variant, when compiled with several)."""
         return list(self._p["inputs"])
+
+    @property
+    def input_variants(self) -> list[list[tuple[str, list[int], str]]]:
+        """Every compiled set of non-KV input shapes (one unless compiled with several)."""
+        return [list(v) for v in self._p.get("input_variants") or [self._p["inputs"]]]
 
     @property
     def kv_shapes(self) -> dict[str, tuple[list[int], str]]:
@@ -192,10 +216,14 @@ class RBLNCompiledModel:
         }
 
     def program_bytes(self) -> int:
-        """A stand-in for instructions + activations: 2 MiB plus 16x the non-KV I/O."""
-        io = sum(
-            math.prod(s) * torch.empty((), dtype=torch_dtype(d)).element_size()
-            for _, s, d in self._p["inputs"]
+        """A stand-in for instructions + activations: 2 MiB plus 16x the non-KV I/O (of the
+        largest variant)."""
+        io = max(
+            sum(
+                math.prod(s) * torch.empty((), dtype=torch_dtype(d)).element_size()
+                for _, s, d in variant
+            )
+            for variant in self.input_variants
         )
         return _align(2**21 + 16 * io)
 
@@ -239,6 +267,14 @@ class RBLNCompiledModel:
     def __repr__(self) -> str:
         names = [n for n, _, _ in self._p["inputs"]]
         return f"<RBLNCompiledModel (emulated) inputs={names} kv={len(self._p['kv'])}>"
+
+
+def is_multiple_input_info(input_info: Any) -> bool:
+    """Whether ``input_info`` is several lists of ``(name, shape, dtype)`` rather than one
+    (an entry of one list starts with its input's name)."""
+    return bool(input_info) and all(
+        isinstance(v, (list, tuple)) and bool(v) and not isinstance(v[0], str) for v in input_info
+    )
 
 
 def _restore_output_capture(module: torch.nn.Module) -> None:

@@ -160,7 +160,11 @@ class Runtime(KVHostTransfer):
             raise
         self._module = compiled_model.module
         self._num_inputs = len(compiled_model.input_info)
-        self._shapes = [tuple(shape) for _, shape, _ in compiled_model.input_info]
+        # the input shapes of each compiled variant (rebel runs the graph a call's shapes match)
+        self._variants = [
+            tuple(tuple(shape) for _, shape, _ in variant)
+            for variant in compiled_model.input_variants
+        ]
         self.physical_devices = physical
         # Timing mode (see rbln_ray.emulator.timing): sleep the modelled latency, zero outputs.
         self._timing = timing.GraphTiming(compiled_model) if timing.timing_enabled() else None
@@ -190,12 +194,7 @@ class Runtime(KVHostTransfer):
         if len(inputs) != self._num_inputs:
             names = [n for n, _, _ in self._cm.input_info]
             raise ValueError(f"expected {self._num_inputs} inputs {names}, got {len(inputs)}")
-        for i, (tensor, shape) in enumerate(zip(inputs, self._shapes, strict=True)):
-            if tuple(tensor.shape) != shape:
-                name = self._cm.input_info[i][0]
-                raise ValueError(
-                    f"input {i} ({name}) has shape {list(tensor.shape)}; compiled for {list(shape)}"
-                )
+        self._check_shapes(inputs)
         start = time.perf_counter()
         if self._timing is not None:
             outputs = self._timing.run(self._module, inputs, self._kv, start)
@@ -230,6 +229,24 @@ class Runtime(KVHostTransfer):
         return result
 
     forward = run
+
+    def _check_shapes(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        got = tuple(tuple(t.shape) for t in inputs)
+        if got in self._variants:
+            return
+        if len(self._variants) == 1:
+            for i, (shape, want) in enumerate(zip(got, self._variants[0], strict=True)):
+                if shape != want:
+                    name = self._cm.input_info[i][0]
+                    raise ValueError(
+                        f"input {i} ({name}) has shape {list(shape)}; compiled for {list(want)}"
+                    )
+        names = [n for n, _, _ in self._cm.input_info]
+        compiled = [dict(zip(names, map(list, v), strict=True)) for v in self._variants]
+        raise ValueError(
+            f"inputs of shapes {dict(zip(names, map(list, got), strict=True))} match none of "
+            f"the {len(compiled)} compiled input shapes {compiled}"
+        )
 
     def _copy_kv_cache(self, src_block: int, dst_block: int, length: int) -> None:
         """Copy the first ``length`` token slots of KV block ``src_block`` into ``dst_block``,

@@ -10,6 +10,9 @@ PLATFORM_CLS = "rbln_ray.vllm_plugin.platform.RBLNPlatform"
 # architecture -> rbln-ray's declaration for vLLM's registry (see vision_models)
 VISION_DECLARATIONS = {
     "LlavaForConditionalGeneration": "rbln_ray.vllm_plugin.vision_models:RBLNLlavaDeclaration",
+    "Qwen2VLForConditionalGeneration": (
+        "rbln_ray.vllm_plugin.vision_models:RBLNQwen2VLDeclaration"
+    ),
 }
 
 

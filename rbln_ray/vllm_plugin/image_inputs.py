@@ -1,5 +1,5 @@
 """Prompt embeddings of a vision-language request: token embeddings with every image's
-features at its placeholder positions.
+features at its placeholder positions; and the extra inputs a family's compiled decoder takes.
 
 Why here and not in vLLM's encoder cache: optimum-rbln compiles the vision tower and the
 projector as their own graphs (one image per call) and the language model's prefill takes
@@ -9,6 +9,12 @@ the processed tensors and the placeholder range), so a prompt's embeddings are c
 when its first prefill chunk runs, and every chunk (and a prefix-cache resume) slices them.
 The embedding of token ids is the language model's own host-side table (optimum keeps
 ``embed_tokens`` on the host when it compiles with ``use_inputs_embeds``).
+
+Families differ in where the decoder is, how an image becomes features, and what else each
+prefill chunk and decode step passes: :func:`prompt_embedder` picks the family's embedder
+(LLaVA's below; Qwen2-VL's, with its M-RoPE position embeddings, in :mod:`.qwen2_vl_inputs`),
+and the model runner merges :meth:`PromptEmbedder.prefill_inputs` /
+:meth:`PromptEmbedder.decode_inputs` into its device calls.
 """
 
 from __future__ import annotations
@@ -23,15 +29,29 @@ logger = logging.getLogger(__name__)
 
 
 class PromptEmbedder:
-    """Builds and holds the input embeddings of the prompts in prefill."""
+    """Builds and holds the input embeddings of the prompts in prefill (LLaVA's recipe:
+    the vision tower and projector of ``get_image_features``, a ``language_model``
+    submodule as the decoder)."""
 
     def __init__(self, model: Any) -> None:
         # an optimum-rbln vision-language model (e.g. RBLNLlavaForConditionalGeneration)
         self.model = model
-        config = model.config
-        self.feature_layer = config.vision_feature_layer
-        self.select_strategy = config.vision_feature_select_strategy
         self._embeds: dict[str, torch.Tensor] = {}
+
+    @property
+    def language_model(self) -> Any:
+        """The compiled decoder every prefill and decode call runs."""
+        return self.model.language_model
+
+    def prefill_inputs(self, state: Any, start: int, end: int) -> dict[str, torch.Tensor]:
+        """Extra inputs of the prefill call over tokens ``start..end-1`` of request
+        ``state`` (vLLM's ``CachedRequestState``), images or not."""
+        return {}
+
+    def decode_inputs(self, states: Sequence[Any], cache_position: torch.Tensor) -> dict:
+        """Extra inputs of a decode call whose rows are ``states`` then padding rows
+        (``cache_position``: ``[batch, 1]``, every row's)."""
+        return {}
 
     def has_images(self, features: Sequence[Any]) -> bool:
         return any(f.modality == "image" for f in features)
@@ -67,14 +87,7 @@ class PromptEmbedder:
                 f"{where.length} must be prefilled from {start}, but vLLM sent no pixels "
                 "(its prefix cache covered it; the device no longer holds that prefix)"
             )
-        pixels = feature.data.get_data()["pixel_values"]
-        if pixels.dim() == 3:  # one image: [C, H, W]
-            pixels = pixels.unsqueeze(0)
-        image = self.model.get_image_features(
-            pixel_values=pixels,
-            vision_feature_layer=self.feature_layer,
-            vision_feature_select_strategy=self.select_strategy,
-        )
+        image = self._image_features(feature.data.get_data())
         image = image.reshape(-1, embeds.shape[-1]).to(embeds.dtype)
         span = torch.arange(where.offset, where.offset + where.length)
         if where.is_embed is not None:
@@ -86,5 +99,28 @@ class PromptEmbedder:
             )
         embeds[span] = image
 
+    def _image_features(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One image's feature vectors from its processed tensors."""
+        pixels = data["pixel_values"]
+        if pixels.dim() == 3:  # one image: [C, H, W]
+            pixels = pixels.unsqueeze(0)
+        config = self.model.config
+        return self.model.get_image_features(
+            pixel_values=pixels,
+            vision_feature_layer=config.vision_feature_layer,
+            vision_feature_select_strategy=config.vision_feature_select_strategy,
+        )
+
     def forget(self, req_id: str) -> None:
+        """Drop a prompt's embeddings (its prefill is done, or it finished)."""
         self._embeds.pop(req_id, None)
+
+
+def prompt_embedder(model: Any, family: str) -> PromptEmbedder:
+    """The embedder of an optimum-rbln model of vision-language ``family``
+    (``rbln_ray.compile.vision.VISION_FAMILIES``)."""
+    if family == "qwen2_vl":
+        from rbln_ray.vllm_plugin.qwen2_vl_inputs import Qwen2VLPromptEmbedder
+
+        return Qwen2VLPromptEmbedder(model)
+    return PromptEmbedder(model)

@@ -9,7 +9,8 @@ hit needs, and a scratch block for padding rows.
   from the first uncached position (a multiple of the compiled ``prefill_chunk_size``) to the
   end of the scheduled chunk; returns the last token's logits, sampled only when the chunk
   completes the prompt. A prompt with images (a vision-language artifact) passes its slice of
-  the prompt's embeddings as ``inputs_embeds`` instead (:mod:`.image_inputs`);
+  the prompt's embeddings as ``inputs_embeds`` instead (:mod:`.image_inputs`), and a family's
+  extra decoder inputs (Qwen2-VL's M-RoPE ``position_embed``) join prefill and decode calls;
 - decode: ``model.decoders[bs](input_ids [bs,1], cache_position [bs,1], block_tables [bs,nblk])``
   where ``bs`` is the smallest compiled decoder batch size that fits the live rows. Padding
   rows (token 0) write to the plan's scratch block at a position that holds no cached KV,
@@ -40,7 +41,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from rbln_ray.compile.artifact import CompiledArtifact
-from rbln_ray.vllm_plugin.image_inputs import PromptEmbedder
+from rbln_ray.vllm_plugin.image_inputs import PromptEmbedder, prompt_embedder
 from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK, BlockLayout, KVCopy, KVStepPlan
 
 logger = logging.getLogger(__name__)
@@ -96,8 +97,8 @@ class RBLNModelRunner:
         # language model is the decoder every prefill and decode call below runs.
         self.embedder: PromptEmbedder | None = None
         if artifact.is_multimodal:
-            self.embedder = PromptEmbedder(model)
-            model = model.language_model
+            self.embedder = prompt_embedder(model, artifact.vision_family)
+            model = self.embedder.language_model
         # Not ``model``: vLLM 0.30's in-process engine walks ``model_runner.model.modules()``
         # at exit (LLMEngine._cleanup_instance_caches); an optimum-rbln model is no nn.Module.
         self.rbln_model = model
@@ -269,6 +270,8 @@ class RBLNModelRunner:
         positions = torch.arange(start, end, dtype=torch.int32).unsqueeze(0)
         table = torch.tensor(self._table_row(plan.tables[req_id]), dtype=torch.int16)
         inputs.update(self._block_inputs(table, [plan.slots.get(req_id)], prefill=True))
+        if self.embedder is not None:  # e.g. Qwen2-VL's M-RoPE position embeddings
+            inputs.update(self.embedder.prefill_inputs(state, start, end))
         if self.before_device is not None:
             self.before_device()
         if receive is not None:  # the previous stage's hidden states, the last input to come
@@ -325,6 +328,8 @@ class RBLNModelRunner:
             )
         if self.artifact.use_position_ids:
             inputs["position_ids"] = cache_pos
+        if self.embedder is not None:  # e.g. Qwen2-VL's M-RoPE position embeddings
+            inputs.update(self.embedder.decode_inputs(states, cache_pos))
         if self.before_device is not None:
             self.before_device()
         if receive is not None:  # the previous stage's rows, in this same order (every rank

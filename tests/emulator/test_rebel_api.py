@@ -348,3 +348,48 @@ def test_a_loaded_vision_tower_still_returns_its_hidden_states(tmp_path):
     assert len(outputs) == 2 + config.num_hidden_layers + 1  # last, pooled, every layer
     del rt
     gc.collect()
+
+
+# ---------------------------------------------------------------------------- several input shapes
+def test_a_graph_compiled_for_several_input_shapes_runs_each_and_refuses_others(tmp_path):
+    """rebel compiles one graph per ``input_info`` list when given several and runs the one
+    a call's shapes match (optimum-rbln's Qwen2-VL vision tower: one per max_seq_len). The
+    reference is the same attention in plain torch, per length."""
+
+    class MaskedAttention(torch.nn.Module):  # the shape of optimum's Qwen2-VL vision block
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, 24)
+
+        def forward(self, x, mask):
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            scores = q @ k.T + (1.0 - mask) * torch.finfo(x.dtype).min
+            return torch.softmax(scores, dim=-1) @ v
+
+    torch.manual_seed(0)
+    module = MaskedAttention().eval()
+    info = [[("x", [n, 8], "float32"), ("mask", [n, n], "float32")] for n in (16, 64)]
+    path = tmp_path / "multi.rbln"
+    cm = rebel.compile_from_torch(module, info)
+    shapes = [[shape for _, shape, _ in variant] for variant in cm.input_variants]
+    assert shapes == [[[16, 8], [16, 16]], [[64, 8], [64, 64]]]
+    cm.save(str(path))
+    rt = rebel.Runtime(rebel.RBLNCompiledModel(str(path)), device=0)
+    for n, valid in ((16, 10), (64, 40)):
+        x = torch.zeros(n, 8)
+        x[:valid] = torch.randn(valid, 8)
+        mask = torch.zeros(n, n)
+        mask[:valid, :valid] = 1
+        with torch.no_grad():
+            q, k, v = module.qkv(x[:valid]).chunk(3, dim=-1)
+            want = torch.softmax(q @ k.T, dim=-1) @ v
+        out = torch.empty(n, 8)
+        rt(x, mask, out=out)
+        torch.testing.assert_close(out[:valid], want)
+    with pytest.raises(ValueError, match=r"none of the 2 compiled input shapes.*'x': \[16, 8\]"):
+        rt(torch.zeros(32, 8), torch.zeros(32, 32))
+    swapped = [("mask", [4, 4], "float32"), ("x", [4, 8], "float32")]
+    with pytest.raises(ValueError, match="same inputs in the same order"):
+        rebel.compile_from_torch(module, [info[0], swapped])
+    del rt
+    gc.collect()

@@ -23,6 +23,7 @@ class RunningApp:
     model_dir: Path
     embed_model_dir: Path | None = None  # the HF directory of the app's embedding model
     vlm_model_dir: Path | None = None  # the HF directory of its vision-language model
+    qwen_vl_model_dir: Path | None = None  # ... and of its Qwen2-VL one
 
 
 def start_app(config: dict, port: int, model_dir: Path, devices: int = 4) -> RunningApp:
@@ -66,7 +67,8 @@ def stop_app() -> None:
 @pytest.fixture(scope="module")
 def demo_app() -> Iterator[RunningApp]:
     """The demo model (compiled, batch 4) with 2 replicas, and beside it (one device each) a
-    tiny Qwen2, a tiny BERT embedding model and a tiny LLaVA (vision-language); an API key."""
+    tiny Qwen2, a tiny BERT embedding model and two tiny vision-language models, a LLaVA and a
+    Qwen2-VL; an API key."""
     from rbln_ray.cli.serve_cmd import DEMO_COMPILE
     from rbln_ray.compile import CompileSettings, resolve_compiled_dir
     from rbln_ray.models import build_tiny_encoder, build_tiny_vlm, demo_model_dir
@@ -82,11 +84,13 @@ def demo_app() -> Iterator[RunningApp]:
             {"name": "qwen", "model": str(compiled_model("qwen2")), "num_replicas": 1},
             {"name": "embed", "model": str(compiled_encoder()), "num_replicas": 1},
             {"name": "vision", "model": str(compiled_vlm()), "num_replicas": 1},
+            {"name": "qwen-vl", "model": str(compiled_vlm("qwen2_vl")), "num_replicas": 1},
         ],
     }
-    app = start_app(config, free_port(), hf_dir, devices=5)
+    app = start_app(config, free_port(), hf_dir, devices=6)
     app.embed_model_dir = build_tiny_encoder()
     app.vlm_model_dir = build_tiny_vlm()
+    app.qwen_vl_model_dir = build_tiny_vlm(family="qwen2_vl")
     try:
         yield app
     finally:

@@ -49,7 +49,8 @@ def test_openai_client_greedy_matches_transformers(demo_app: RunningApp) -> None
     streamed = client.chat.completions.create(messages=messages, stream=True, **kw)
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat_expected
 
-    assert sorted(m.id for m in client.models.list().data) == ["demo", "embed", "qwen", "vision"]
+    models = sorted(m.id for m in client.models.list().data)
+    assert models == ["demo", "embed", "qwen", "qwen-vl", "vision"]
 
 
 def test_requests_are_routed_by_model_field(demo_app: RunningApp) -> None:
@@ -320,8 +321,8 @@ def _vision_messages(image, question: str) -> list[dict]:
 
 def test_chat_embeddings_and_vision_served_together(demo_app: RunningApp) -> None:
     """The mixed app: a vision-language chat with a data-URL image (and a text-only one) on
-    the tiny LLaVA equals transformers' greedy output, while chat completions run on the demo
-    model and embeddings on the BERT, all at once."""
+    the tiny LLaVA and on the tiny Qwen2-VL equals transformers' greedy output, while chat
+    completions run on the demo model and embeddings on the BERT, all at once."""
     import openai
     from transformers import AutoTokenizer
 
@@ -333,10 +334,17 @@ def test_chat_embeddings_and_vision_served_together(demo_app: RunningApp) -> Non
     image = make_image(7, 90, 60)
     with_image = _vision_messages(image, "what is in the picture?")
     text_only = [{"role": "user", "content": "no picture this time"}]
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+    # Qwen2-VL: an image of its own size (resized to 84 x 140 pixels: 15 tokens)
+    qwen_image = make_image(11, 150, 90)
+    qwen_with_image = _vision_messages(qwen_image, "and here?")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
         vision = [
             pool.submit(client.chat.completions.create, model="vision", messages=m, **greedy)
             for m in (with_image, text_only)
+        ]
+        qwen = [
+            pool.submit(client.chat.completions.create, model="qwen-vl", messages=m, **greedy)
+            for m in (qwen_with_image, text_only)
         ]
         chat = pool.submit(
             client.chat.completions.create,
@@ -346,14 +354,23 @@ def test_chat_embeddings_and_vision_served_together(demo_app: RunningApp) -> Non
         )
         embedded = pool.submit(client.embeddings.create, model="embed", input=TEXTS)
         replies = [f.result().choices[0].message.content for f in vision]
+        qwen_replies = [f.result().choices[0].message.content for f in qwen]
         assert chat.result().choices[0].message.content
         assert len(embedded.result().data) == len(TEXTS)
-    tokenizer = AutoTokenizer.from_pretrained(demo_app.vlm_model_dir)
-    for reply, messages, images in ((replies[0], with_image, [image]), (replies[1], text_only, [])):
-        prompt = hf_chat_prompt(demo_app.vlm_model_dir, messages)
-        _, want = hf_vlm_greedy(demo_app.vlm_model_dir, prompt, images, 16)
-        assert reply == tokenizer.decode(want, skip_special_tokens=True), (reply, want)
-    assert replies[0] != replies[1]
+    for model_dir, got, asked in (
+        (demo_app.vlm_model_dir, replies, ((with_image, [image]), (text_only, []))),
+        (
+            demo_app.qwen_vl_model_dir,
+            qwen_replies,
+            ((qwen_with_image, [qwen_image]), (text_only, [])),
+        ),
+    ):
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        for reply, (messages, images) in zip(got, asked, strict=True):
+            prompt = hf_chat_prompt(model_dir, messages)
+            _, want = hf_vlm_greedy(model_dir, prompt, images, 16)
+            assert reply == tokenizer.decode(want, skip_special_tokens=True), (reply, want)
+        assert got[0] != got[1]
 
 
 def _png_data_url(width: int, height: int) -> str:
@@ -405,6 +422,31 @@ def test_bad_image_input_gets_openai_style_4xx(
         headers=AUTH,
         timeout=120,
     )
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_an_image_beyond_the_compiled_vision_tower_is_a_400_naming_both_sizes(
+    demo_app: RunningApp,
+) -> None:
+    """Qwen2-VL's processor sizes an image within its pixel budget, which a request may raise
+    (``mm_processor_kwargs``): an image of more patches than the compiled vision tower takes
+    (256 here) is refused with both numbers, and the replica keeps serving."""
+    from tests.vision import make_image
+
+    url = f"{demo_app.url}/v1/chat/completions"
+    body = {
+        "model": "qwen-vl",
+        "messages": _vision_messages(make_image(12, 448, 448), "?"),
+        "max_tokens": 2,
+        "mm_processor_kwargs": {"min_pixels": 56 * 56, "max_pixels": 448 * 448},
+    }
+    r = httpx.post(url, json=body, headers=AUTH, timeout=120)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "1024 patches" in message and "256 patches" in message, message
+    body.pop("mm_processor_kwargs")  # the same image at the model's own budget is served
+    ok = httpx.post(url, json=body, headers=AUTH, timeout=120)
     assert ok.status_code == 200, ok.text
     assert ok.json()["usage"]["completion_tokens"] == 2
 

@@ -153,20 +153,27 @@ def test_build_model_builds_every_family_as_the_table_says(
     assert get_rbln_model_info(config) == (name, family.optimum_class)
 
 
-@pytest.mark.parametrize("name", list(VISION_FAMILIES))
+@pytest.mark.parametrize("name", ["llava", "qwen2-vl"])
 def test_build_model_builds_every_vision_language_family(
     tmp_path: Path, capsys: pytest.CaptureFixture, name: str
 ) -> None:
-    """``rbln-ray build-model llava`` writes a model directory with the image processor and
-    the chat template vLLM's multimodal processor loads, recognised as its family."""
-    from transformers import AutoProcessor
+    """``rbln-ray build-model llava`` (or ``qwen2-vl``) writes a model directory with the
+    image processor and the chat template vLLM's multimodal processor loads (offline, without
+    torchvision), recognised as its family."""
+    from rbln_ray.compile.vision import load_hf_processor
+    from rbln_ray.models.vision import IMAGE_PLACEHOLDER
 
+    family = VISION_FAMILIES[name.replace("-", "_")]
+    assert set(VISION_FAMILIES) == {"llava", "qwen2_vl"}  # the parametrization covers them
     out = tmp_path / name
     assert cli_main(["build-model", name, "--out", str(out), "--num-layers", "1"]) == 0
     assert capsys.readouterr().out.strip() == str(out)
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == [VISION_FAMILIES[name].architecture]
+    assert config["architectures"] == [family.architecture]
     assert config["text_config"]["num_hidden_layers"] == 1
-    assert vision_family_for_dir(out) is VISION_FAMILIES[name]
-    processor = AutoProcessor.from_pretrained(out)
-    assert processor.image_token == "<image>" and processor.chat_template
+    assert vision_family_for_dir(out) is family
+    processor = load_hf_processor(out)
+    assert processor.image_token in IMAGE_PLACEHOLDER[family.name] and processor.chat_template
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert IMAGE_PLACEHOLDER[family.name] in prompt

@@ -1,15 +1,18 @@
 """Vision-language models through ``vllm.LLM`` on RBLN, token-exact against transformers
 (acceptance 2 of the pooling/vision issue, the offline half; the HTTP half is in
-``tests/serve/test_vision_serve.py``).
+``tests/serve/test_openai_app.py``).
 
-One engine (a tiny LLaVA compiled batch 4 on the emulator by the code path ``rbln-ray compile``
-uses) runs every request at once: images of several sizes, two images in one prompt, a prompt
-whose image lies past its first 128-token prefill chunk, the same image twice (vLLM's
-processor cache sends it to the engine once), and a text-only prompt. Each must give the
-prompt token ids and the greedy tokens transformers' own ``generate`` gives on the HF
-processor's inputs. A second engine checks prefix caching: two long prompts with the same
-text after different images, run twice; the second pass reuses each prompt's own cached
-first block (vLLM keys a block by the images in it), never the other image's.
+One engine per family (a tiny LLaVA, a tiny Qwen2-VL, each compiled batch 4 on the emulator
+by the code path ``rbln-ray compile`` uses) runs every request at once: images of several
+sizes (Qwen2-VL: 4 to 64 tokens an image, as the processor resizes), two images in one
+prompt, a prompt whose image lies past its first 128-token prefill chunk (Qwen2-VL: also one
+whose image straddles the chunk boundary), the same image twice (vLLM's processor cache sends
+it to the engine once), and a text-only prompt. Each must give the prompt token ids and the
+greedy tokens transformers' own ``generate`` gives on the HF processor's inputs. A second
+engine per family checks prefix caching: two long prompts with the same text after different
+images, run twice; the second pass reuses each prompt's own cached first block (vLLM keys a
+block by the images in it), never the other image's; for Qwen2-VL the tokens after the cached
+block still take M-RoPE positions that depend on the cached image's grid.
 """
 
 from __future__ import annotations
@@ -19,40 +22,52 @@ import json
 import pytest
 
 from rbln_ray.models import build_tiny_vlm
+from rbln_ray.models.vision import IMAGE_PLACEHOLDER
 from tests.helpers import SCRIPTS, run_python
 from tests.vision import compiled_vlm, hf_vlm_greedy, image_spec, make_image
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 16
+CHUNK = 128  # the compiled prefill_chunk_size
 
 
 def chat(body: str) -> str:
     return f"<|user|>\n{body}\n<|assistant|>\n"
 
 
-# (prompt, images)
-REQUESTS = [
-    (chat("<image>describe the image"), [image_spec(1)]),
-    (chat("no image here, only text"), []),
-    (chat("<image> and <image>: which is brighter?"), [image_spec(2), image_spec(3, 30, 90)]),
-    (chat("x = 1\n" * 40 + "<image>what is this?"), [image_spec(4)]),
-    (chat("<image>what colour is it?"), [image_spec(1)]),  # the first request's image again
-    (chat("<image>"), [image_spec(5, 200, 100)]),
-]
+def requests_of(family: str) -> list:
+    """(prompt, images) of the first engine of ``family``: ``<image>`` stands for the
+    family's image placeholder."""
+    img = IMAGE_PLACEHOLDER[family]
+    requests = [
+        (chat("<image>describe the image"), [image_spec(1)]),
+        (chat("no image here, only text"), []),
+        (chat("<image> and <image>: which is brighter?"), [image_spec(2), image_spec(3, 30, 90)]),
+        (chat("x = 1\n" * 40 + "<image>what is this?"), [image_spec(4)]),
+        (chat("<image>what colour is it?"), [image_spec(1)]),  # the first request's image again
+        (chat("<image>"), [image_spec(5, 200, 100)]),
+    ]
+    if family == "qwen2_vl":  # the largest image the processor makes (64 tokens) across 128
+        requests.append((chat("z = 3\n" * 24 + "<image>and now?"), [image_spec(9, 224, 224)]))
+    return [(prompt.replace("<image>", img), images) for prompt, images in requests]
 
 
-# Same text, different images at the start: their first 128-token blocks differ by the image.
-LONG_TEXT = "y = 2\n" * 40 + "what now?"
-CACHED = [
-    (chat("<image>" + LONG_TEXT), [image_spec(6)]),
-    (chat("<image>" + LONG_TEXT), [image_spec(8)]),
-]
+def cached_of(family: str) -> list:
+    """Same text, different images at the start: their first 128-token blocks differ by the
+    image."""
+    text = IMAGE_PLACEHOLDER[family] + "y = 2\n" * 40 + "what now?"
+    return [(chat(text), [image_spec(6)]), (chat(text), [image_spec(8)])]
 
 
-def engine_run(requests: list, **extra) -> dict:
+FAMILIES = ["llava", "qwen2_vl"]
+REQUESTS = {family: requests_of(family) for family in FAMILIES}
+CACHED = {family: cached_of(family) for family in FAMILIES}
+
+
+def engine_run(family: str, requests: list, **extra) -> dict:
     return {
-        "model": str(compiled_vlm()),
+        "model": str(compiled_vlm(family)),
         "requests": [
             {
                 "prompt": prompt,
@@ -67,55 +82,84 @@ def engine_run(requests: list, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    spec = {"runs": [engine_run(REQUESTS), engine_run(CACHED, passes=2)]}
+def runs() -> dict[str, list[dict]]:
+    """Every engine of this module in one subprocess (vLLM imported once): per family, the
+    requests' engine and the prefix-cache engine."""
+    spec = {
+        "runs": [
+            engine
+            for family in FAMILIES
+            for engine in (
+                engine_run(family, REQUESTS[family]),
+                engine_run(family, CACHED[family], passes=2),
+            )
+        ]
+    }
     result, _ = run_python([str(SCRIPTS / "rbln_llm_run.py"), json.dumps(spec)], timeout=900)
     assert all("error" not in r for r in result["runs"]), result["runs"]
-    return result["runs"]
+    return {family: result["runs"][2 * i : 2 * i + 2] for i, family in enumerate(FAMILIES)}
 
 
-@pytest.fixture(scope="module")
-def run(runs: list[dict]) -> dict:
-    return runs[0]
-
-
-def test_greedy_with_images_matches_transformers(run: dict) -> None:
-    hf_dir = build_tiny_vlm()
-    for i, (prompt, images) in enumerate(REQUESTS):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_with_images_matches_transformers(runs: dict, family: str) -> None:
+    run, hf_dir = runs[family][0], build_tiny_vlm(family=family)
+    for i, (prompt, images) in enumerate(REQUESTS[family]):
         want_prompt, want = hf_vlm_greedy(hf_dir, prompt, [make_image(**s) for s in images], 16)
         assert run["prompt_token_ids"][i] == want_prompt, i
         assert run["outputs"][i][0]["token_ids"] == want, i
 
 
-def test_images_change_the_output() -> None:
+@pytest.mark.parametrize("family", FAMILIES)
+def test_images_change_the_output(family: str) -> None:
     """The reference is sensitive to the image, so matching it means the image was seen."""
-    hf_dir = build_tiny_vlm()
-    prompt = REQUESTS[0][0]
+    hf_dir = build_tiny_vlm(family=family)
+    prompt = REQUESTS[family][0][0]
     _, first = hf_vlm_greedy(hf_dir, prompt, [make_image(1)], MAX_TOKENS)
     _, other = hf_vlm_greedy(hf_dir, prompt, [make_image(99)], MAX_TOKENS)
     assert first != other
 
 
-def test_prefix_cache_hits_are_keyed_by_the_image(runs: list[dict]) -> None:
-    cached = runs[1]
-    hf_dir = build_tiny_vlm()
+def test_qwen2_vl_images_are_as_many_tokens_as_their_size_and_lie_where_asked(runs: dict) -> None:
+    """Qwen2-VL's processor resizes each image to multiples of 28 pixels within its budget,
+    one token per 28 x 28: the prompts above cover 4 to 64 image tokens, an image past the
+    first prefill chunk and one across the chunk boundary."""
+    from rbln_ray.compile.vision import load_hf_processor
+
+    pad = load_hf_processor(build_tiny_vlm(family="qwen2_vl")).image_token_id
+    spans = []
+    for ids in runs["qwen2_vl"][0]["prompt_token_ids"]:
+        where = [i for i, t in enumerate(ids) if t == pad]
+        spans.append((where[0], where[-1] + 1, len(where)) if where else None)
+    assert {s[2] for s in spans if s} >= {4, 28, 64}  # image sizes: 4, 28 and 64 tokens
+    assert spans[3][0] > CHUNK  # the image lies past the first 128-token chunk
+    assert spans[6][0] < CHUNK < spans[6][1]  # the largest image straddles the boundary
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_cache_hits_are_keyed_by_the_image(runs: dict, family: str) -> None:
+    cached = runs[family][1]
+    hf_dir = build_tiny_vlm(family=family)
     wants = []
-    for i, (prompt, images) in enumerate(CACHED):
+    for i, (prompt, images) in enumerate(CACHED[family]):
         _, want = hf_vlm_greedy(hf_dir, prompt, [make_image(**s) for s in images], MAX_TOKENS)
         for n, outputs in enumerate(cached["passes"]):
             assert outputs[i][0]["token_ids"] == want, (i, n)
         wants.append(want)
     assert wants[0] != wants[1]  # the image decides the answer, so a wrong hit would show
-    assert len(cached["prompt_token_ids"][0]) > 128
+    assert len(cached["prompt_token_ids"][0]) > CHUNK
+    assert cached["config"]["enable_prefix_caching"]
     # the second pass reused one cached 128-token block per prompt; the first reused none
-    assert cached["rpc"]["step_stats"][0]["prefix_reused_tokens"] == 2 * 128
+    assert cached["rpc"]["step_stats"][0]["prefix_reused_tokens"] == 2 * CHUNK
 
 
-def test_requests_share_the_batch_and_long_prompts_are_chunked(run: dict) -> None:
+@pytest.mark.parametrize("family", FAMILIES)
+def test_requests_share_the_batch_and_long_prompts_are_chunked(runs: dict, family: str) -> None:
+    run = runs[family][0]
     stats = run["rpc"]["step_stats"][0]
-    assert stats["prefill_requests"] == len(REQUESTS)
-    # the 4th prompt spans two 128-token chunks: one prefill call more than requests
-    assert stats["prefill_steps"] == len(REQUESTS) + 1
-    assert len(run["prompt_token_ids"][3]) > 128
+    assert stats["prefill_requests"] == len(REQUESTS[family])
+    # prompts over 128 tokens span two chunks: one prefill call more each
+    long = sum(len(ids) > CHUNK for ids in run["prompt_token_ids"])
+    assert long == (2 if family == "qwen2_vl" else 1)
+    assert stats["prefill_steps"] == len(REQUESTS[family]) + long
     # several requests decoded together in one compiled batch
     assert max(len(ids) for _, kind, ids in stats["history"] if kind == "decode") > 1
