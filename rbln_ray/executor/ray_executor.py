@@ -2,16 +2,26 @@
 
 See the package docstring for usage and the compiled-artifact location rule.
 
-Failure model (why it is shaped like this): vLLM's engine thread blocks in ``future.result()``
-for every step, so a dead worker must make that call raise, not hang. Two paths make sure:
+Data path: Ray starts, places and watches the workers and carries every control call
+(``collective_rpc``); scheduler steps do not go through Ray. Each worker listens on a stream
+(:mod:`rbln_ray.common.framing`, introduced over Ray with a per-engine token), the engine
+writes every step to every worker's stream and reads the results from the last rank's: a Ray
+call per step cost 1-3 ms of device idle time on the test host (BENCHMARKS §3), and with
+pipeline stages that latency was on every micro-batch's round trip.
 
-* every wait on worker results is a ``ray.wait`` loop that fetches finished refs at once
+Failure model (why it is shaped like this): vLLM's engine thread blocks in ``future.result()``
+for every step, so a dead worker must make that call raise, not hang. Three paths make sure:
+
+* a dead worker's streams close with its process, so a step read or write fails at once and
+  names the worker;
+* every wait on Ray results is a ``ray.wait`` loop that fetches finished refs at once
   (a dead actor's refs finish with ``RayActorError``) and re-checks the executor's failed
   flag every second;
 * a monitor thread waits on one never-returning ``sentinel`` call per actor; when one
-  finishes, the actor is dead: the executor marks itself failed, fires vLLM's failure
-  callback (which wakes an idle engine loop so it reports the error) and frees the other
-  actors and the placement group, so the devices are free for a new engine.
+  finishes, the actor is dead: the executor marks itself failed, closes the streams (waking
+  an engine thread blocked on a result), fires vLLM's failure callback (which wakes an idle
+  engine loop so it reports the error) and frees the other actors and the placement group,
+  so the devices are free for a new engine.
 """
 
 from __future__ import annotations
@@ -69,19 +79,17 @@ class _Worker:
         )
 
 
-class _StepFuture(Future):
-    """A step's ``Future``, resolved by the caller's ``result()`` from the result stream (in
-    the engine thread, with the executor's failure checks)."""
+class _LazyFuture(Future):
+    """A ``Future`` resolved by the caller's ``result()`` (:meth:`_fetch`), so the wait runs in
+    the engine thread with the executor's failure checks."""
 
-    def __init__(self, executor: RBLNRayExecutor, seq: int) -> None:
-        super().__init__()
-        self._executor = executor
-        self._seq = seq
+    def _fetch(self, timeout: float | None) -> Any:
+        raise NotImplementedError
 
     def result(self, timeout: float | None = None) -> Any:
         if not super().done():
             try:
-                value = self._executor._step_result(self._seq, timeout)
+                value = self._fetch(timeout)
             except TimeoutError:
                 raise  # still pending: the caller may wait again
             except BaseException as e:  # noqa: BLE001 - stored and re-raised by Future
@@ -91,11 +99,20 @@ class _StepFuture(Future):
         return super().result()
 
 
-class _RefsFuture(Future):
-    """A ``Future`` over worker refs, resolved lazily by the caller's ``result()``.
+class _StepFuture(_LazyFuture):
+    """A step's output, read from the last rank's result stream."""
 
-    Lazily, so the wait runs in the engine thread with the executor's failure checks.
-    """
+    def __init__(self, executor: RBLNRayExecutor, seq: int) -> None:
+        super().__init__()
+        self._executor = executor
+        self._seq = seq
+
+    def _fetch(self, timeout: float | None) -> Any:
+        return self._executor._step_result(self._seq, timeout)
+
+
+class _RefsFuture(_LazyFuture):
+    """The values of worker refs (a non-blocking ``collective_rpc``)."""
 
     def __init__(self, executor: RBLNRayExecutor, refs: list[Any], single_value: bool) -> None:
         super().__init__()
@@ -109,17 +126,9 @@ class _RefsFuture(Future):
         ready, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0)
         return len(ready) == len(self._refs)
 
-    def result(self, timeout: float | None = None) -> Any:
-        if not super().done():
-            try:
-                values = self._executor._wait(self._refs, timeout)
-            except TimeoutError:
-                raise  # still pending: the caller may wait again
-            except BaseException as e:  # noqa: BLE001 - stored and re-raised by Future
-                self.set_exception(e)
-            else:
-                self.set_result(values[0] if self._single else values)
-        return super().result()
+    def _fetch(self, timeout: float | None) -> Any:
+        values = self._executor._wait(self._refs, timeout)
+        return values[0] if self._single else values
 
 
 class RBLNRayExecutor(Executor):

@@ -66,11 +66,13 @@ class StepLoop:
         reports_results: bool,
         urgent_results: bool,
         name: str,
+        on_queued: Callable[[int], None] | None = None,
     ) -> None:
         self._conn = conn
         self._run = run
         self._reports = reports_results
         self._urgent = urgent_results
+        self._on_queued = on_queued  # told each step number once it waits for the loop
         self._held: tuple[int, Deferred] | None = None  # the loop thread's only
         self._inbox: queue.SimpleQueue[tuple[int, Any, Any] | None] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
@@ -104,6 +106,8 @@ class StepLoop:
                     raise RuntimeError(f"step {seq} arrived, step {expected} was expected")
                 expected += 1
                 self._inbox.put((seq, *pickle.loads(payload)))  # our own engine's
+                if self._on_queued is not None:
+                    self._on_queued(seq)
         except framing.StreamClosed:
             if not self._stopping:
                 logger.warning("the engine's step stream closed; the step loop stops")
