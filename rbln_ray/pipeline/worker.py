@@ -15,6 +15,8 @@ every stage.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
@@ -23,7 +25,7 @@ from rbln_ray.common import framing
 from rbln_ray.pipeline.channel import HiddenStream, StageFailure
 from rbln_ray.pipeline.stage import StageModel
 from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner
-from rbln_ray.vllm_plugin.step_loop import Deferred
+from rbln_ray.vllm_plugin.step_loop import Ahead, Deferred
 from rbln_ray.vllm_plugin.worker import RBLNWorker
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,13 @@ class PipelineWorker(RBLNWorker):
         )
 
     @property
+    def prepare_ahead(self) -> Callable[[SchedulerOutput], Any] | None:
+        """A rank before the last samples nothing: a step's inputs come from the scheduler
+        output alone (its tokens too, vLLM's pipeline-parallel contract), so the reader thread
+        prepares each step while earlier ones are on the device."""
+        return self.model_runner.prepare if self._sender is not None else None
+
+    @property
     def urgent_results(self) -> bool:
         """The last rank sends each result at once: the engine's turn-around to the next
         micro-batch is on the pipeline's critical path, and this rank's next step waits for
@@ -78,20 +87,24 @@ class PipelineWorker(RBLNWorker):
         self._receiver = HiddenStream(conn, self.rank - 1)
 
     def run_step(  # type: ignore[override]
-        self, seq: int, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None
+        self, seq: int, step: SchedulerOutput | Ahead, grammar_output: GrammarOutput | None
     ) -> ModelRunnerOutput | Deferred:
         """This rank's share of step ``seq``: its layers, then the hidden states straight to
         the next rank's actor, or (last rank) the sampled output for the engine.
 
         Every rank gets every step from the engine at once, so it updates its request state
-        and builds the step's inputs while the previous rank still computes; only the device
-        call waits for the previous rank's hidden states, read from its stream
-        (:mod:`~rbln_ray.pipeline.channel`).
+        and builds the step's inputs while the previous rank still computes (a rank before
+        the last even while its own previous step is on the device: :attr:`prepare_ahead`);
+        only the device call waits for the previous rank's hidden states, read from its
+        stream (:mod:`~rbln_ray.pipeline.channel`).
         """
         receiver = self._receiver
         receive = None if receiver is None else lambda: receiver.receive(seq)
+        ahead = isinstance(step, Ahead)
+        scheduler_output = step.scheduler_output if ahead else step
         try:
-            output = self.model_runner.execute_model(scheduler_output, receive)
+            prepared = step.get() if ahead else self.model_runner.prepare(step)
+            output = self.model_runner.launch(prepared, receive)
         except BaseException as e:
             if self._sender is not None and scheduler_output.total_num_scheduled_tokens:
                 # The next rank waits for this step's hidden states: tell it why none come.

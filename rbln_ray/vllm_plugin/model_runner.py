@@ -75,6 +75,38 @@ class StepStats:
         del self.history[:-4096]
 
 
+@dataclass
+class _PrefillStep:
+    """A prefill chunk as :meth:`RBLNModelRunner.prepare` left it (its inputs are built at
+    launch: whether the plan's KV copies succeed decides where it starts)."""
+
+    so: SchedulerOutput
+    plan: KVStepPlan
+    req_id: str
+    state: CachedRequestState
+    computed: int  # the request's computed tokens before this chunk
+    end: int  # the chunk's end position
+    tokens: list[int]  # the prompt (and any outputs: a resumed request) at prepare time
+    starting: bool  # its first chunk (new or resumed): earlier tokens came from the cache
+
+
+@dataclass
+class _DecodeStep:
+    """A decode step with every device input built."""
+
+    so: SchedulerOutput
+    req_ids: list[str]  # live rows, scheduler order
+    bs: int  # the compiled decode batch that runs it
+    order: list[int]  # device row -> index into req_ids (length-sorted NPU kernels)
+    x: torch.Tensor | None  # token ids (first pipeline rank); else the previous rank's states
+    cache_pos: torch.Tensor
+    inputs: dict[str, torch.Tensor | None]
+
+
+# What prepare() hands launch(): a step to run, or an output at once (nothing scheduled).
+PreparedStep = _PrefillStep | _DecodeStep | ModelRunnerOutput | None
+
+
 class RBLNModelRunner:
     """Drives one loaded optimum-rbln decoder model for a vLLM engine."""
 
@@ -124,7 +156,6 @@ class RBLNModelRunner:
         # What the next sample_tokens returns: a step's logits to sample, or the output of a
         # prompt chunk (nothing to sample).
         self._pending: tuple[SchedulerOutput, torch.Tensor] | ModelRunnerOutput | None = None
-        self._starting: set[str] = set()  # requests whose prefill begins this step
         # Called once a prefill or decode step's inputs are built, before its device call (and
         # before waiting for a previous pipeline rank's hidden states): the step loop hands the
         # previous step's output to the engine then, so that work overlaps the device.
@@ -242,54 +273,51 @@ class RBLNModelRunner:
         self.stats.kv_copy_tokens += sum(c.tokens for c in copies)
         return True
 
-    # ----------------------------------------------------------------- device calls
-    def _prefill(
-        self, so: SchedulerOutput, plan: KVStepPlan, req_id: str, receive: Receive
-    ) -> torch.Tensor:
+    # ----------------------------------------------------------------- step preparation
+    def prepare(self, so: SchedulerOutput) -> PreparedStep:
+        """Everything of a step that needs no device and no earlier step's device results:
+        request state from the scheduler output, then (decode) every input of the device
+        call. :meth:`launch` runs it. On the rank that samples this must follow the previous
+        step's sampling (its tokens are the inputs); a pipeline rank before the last may
+        prepare a step while its previous one is still on the device."""
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT if self.last_stage else None
+        plan: KVStepPlan | None = getattr(so, "rbln_plan", None)
+        if plan is None:
+            raise RuntimeError(
+                "scheduler output without an RBLN block plan: the engine must run "
+                "rbln_ray.vllm_plugin.scheduler.RBLNScheduler (set by the RBLN platform)"
+            )
+        # Device rows in the scheduler's order, the same on every pipeline rank (only the last
+        # keeps the input batch, whose order the sampler's rows follow: see _in_batch_order).
+        req_ids = list(so.num_scheduled_tokens)
+        if plan.kind != "prefill":
+            return self._prepare_decode(so, plan, req_ids)
+        if len(req_ids) != 1:
+            raise RuntimeError(
+                f"prefill step schedules {req_ids}; the RBLN scheduler must schedule one "
+                "prefill per step, never mixed with decodes"
+            )
+        req_id = req_ids[0]
         state = self.requests[req_id]
         computed = state.num_computed_tokens
-        end = computed + so.num_scheduled_tokens[req_id]
-        start = plan.prefill_start.get(req_id, computed)
-        if not self._copy_kv(plan.copies):
-            start = 0
-        chunk = self.artifact.prefill_chunk_size
-        if start % chunk:
-            raise RuntimeError(
-                f"request {req_id}: prefill from position {start}; the compiled prefill resumes "
-                f"only at a multiple of prefill_chunk_size={chunk}"
-            )
-        tokens = state.prompt_token_ids + state.output_token_ids
-        inputs: dict[str, torch.Tensor | None] = {}
-        if self.embedder is not None and self.embedder.has_images(state.mm_features):
-            embeds = self.embedder.embeds(req_id, tokens, state.mm_features, start)
-            inputs["inputs_embeds"] = embeds[start:end].unsqueeze(0)
-            if end == len(tokens):  # the last chunk: later steps decode token ids
-                self.embedder.forget(req_id)
-        elif receive is None:
-            inputs["input_ids"] = torch.tensor([tokens[start:end]], dtype=torch.long)
-        positions = torch.arange(start, end, dtype=torch.int32).unsqueeze(0)
-        table = torch.tensor(self._table_row(plan.tables[req_id]), dtype=torch.int16)
-        inputs.update(self._block_inputs(table, [plan.slots.get(req_id)], prefill=True))
-        if self.embedder is not None:  # e.g. Qwen2-VL's M-RoPE position embeddings
-            inputs.update(self.embedder.prefill_inputs(state, start, end))
-        if self.before_device is not None:
-            self.before_device()
-        if receive is not None:  # the previous stage's hidden states, the last input to come
-            inputs["input_ids"] = receive()
-        start_t = time.perf_counter()
-        out = self.rbln_model.prefill_decoder(cache_position=positions, **inputs)
-        self.stats.device_seconds += time.perf_counter() - start_t
-        self.stats.prefill_steps += 1
-        self.stats.prefill_tokens += end - start
-        if req_id in self._starting:  # its first chunk: tokens before it came from the cache
-            self.stats.prefix_reused_tokens += start
-            self.stats.prefix_recomputed_tokens += computed - start
-        if end == len(tokens):
-            self.stats.prefill_requests += 1
-        self.stats.record("prefill", [req_id])
-        return out.logits[:, -1, :] if self.last_stage else out.logits
+        cached = so.scheduled_cached_reqs
+        return _PrefillStep(
+            so=so,
+            plan=plan,
+            req_id=req_id,
+            state=state,
+            computed=computed,
+            end=computed + so.num_scheduled_tokens[req_id],
+            tokens=state.prompt_token_ids + state.output_token_ids,
+            starting=req_id in cached.resumed_req_ids
+            or any(n.req_id == req_id for n in so.scheduled_new_reqs),
+        )
 
-    def _decode(self, plan: KVStepPlan, req_ids: list[str], receive: Receive) -> torch.Tensor:
+    def _prepare_decode(
+        self, so: SchedulerOutput, plan: KVStepPlan, req_ids: list[str]
+    ) -> _DecodeStep:
         sizes = self.artifact.decoder_batch_sizes
         idx = bisect.bisect_left(sizes, len(req_ids))
         if idx == len(sizes):
@@ -306,7 +334,7 @@ class RBLNModelRunner:
         states = [self.requests[r] for r in ids_in_order]
         padding = bs - len(req_ids)
         x = None
-        if receive is None:
+        if self.first_stage:
             x = torch.tensor(
                 [s.get_token_id(p) for s, p in zip(states, pos, strict=True)] + [0] * padding,
                 dtype=torch.long,
@@ -330,20 +358,102 @@ class RBLNModelRunner:
             inputs["position_ids"] = cache_pos
         if self.embedder is not None:  # e.g. Qwen2-VL's M-RoPE position embeddings
             inputs.update(self.embedder.decode_inputs(states, cache_pos))
+        return _DecodeStep(so, req_ids, bs, order, x, cache_pos, inputs)
+
+    # ----------------------------------------------------------------- device calls
+    def launch(
+        self, step: PreparedStep, receive: Receive = None
+    ) -> ModelRunnerOutput | torch.Tensor | None:
+        """Run a prepared step on the device; :meth:`sample_tokens` then returns its output.
+
+        A pipeline rank after the first gets the previous rank's hidden states from
+        ``receive``, called once every other input of the step is ready (they may still be on
+        their way); a rank before the last returns its own hidden states for the next rank.
+        """
+        if step is None or isinstance(step, ModelRunnerOutput):
+            return step  # nothing scheduled
+        if not self.first_stage and receive is None:
+            raise RuntimeError("pipeline rank without the previous stage's hidden states")
+        if isinstance(step, _PrefillStep):
+            logits = self._prefill(step, receive)
+            if not self.last_stage:
+                return logits
+            if step.end < len(step.tokens):
+                # A chunk of a longer prompt: nothing to sample (vLLM expects no token).
+                req_id = step.req_id
+                self._pending = ModelRunnerOutput(
+                    req_ids=[req_id], req_id_to_index={req_id: 0}, sampled_token_ids=[[]]
+                )
+                return None
+        else:
+            logits = self._decode(step, receive)
+            if not self.last_stage:
+                return logits
+            logits = self._in_batch_order(logits, step.req_ids)
+        self._pending = (step.so, logits.float())
+        return None
+
+    def _prefill(self, step: _PrefillStep, receive: Receive) -> torch.Tensor:
+        req_id, plan, tokens, end = step.req_id, step.plan, step.tokens, step.end
+        start = plan.prefill_start.get(req_id, step.computed)
+        if not self._copy_kv(plan.copies):
+            start = 0
+        chunk = self.artifact.prefill_chunk_size
+        if start % chunk:
+            raise RuntimeError(
+                f"request {req_id}: prefill from position {start}; the compiled prefill resumes "
+                f"only at a multiple of prefill_chunk_size={chunk}"
+            )
+        state = step.state
+        inputs: dict[str, torch.Tensor | None] = {}
+        if self.embedder is not None and self.embedder.has_images(state.mm_features):
+            embeds = self.embedder.embeds(req_id, tokens, state.mm_features, start)
+            inputs["inputs_embeds"] = embeds[start:end].unsqueeze(0)
+            if end == len(tokens):  # the last chunk: later steps decode token ids
+                self.embedder.forget(req_id)
+        elif receive is None:
+            inputs["input_ids"] = torch.tensor([tokens[start:end]], dtype=torch.long)
+        positions = torch.arange(start, end, dtype=torch.int32).unsqueeze(0)
+        table = torch.tensor(self._table_row(plan.tables[req_id]), dtype=torch.int16)
+        inputs.update(self._block_inputs(table, [plan.slots.get(req_id)], prefill=True))
+        if self.embedder is not None:  # e.g. Qwen2-VL's M-RoPE position embeddings
+            inputs.update(self.embedder.prefill_inputs(state, start, end))
+        if self.before_device is not None:
+            self.before_device()
+        if receive is not None:  # the previous stage's hidden states, the last input to come
+            inputs["input_ids"] = receive()
+        start_t = time.perf_counter()
+        out = self.rbln_model.prefill_decoder(cache_position=positions, **inputs)
+        self.stats.device_seconds += time.perf_counter() - start_t
+        self.stats.prefill_steps += 1
+        self.stats.prefill_tokens += end - start
+        if step.starting:  # its first chunk: tokens before it came from the cache
+            self.stats.prefix_reused_tokens += start
+            self.stats.prefix_recomputed_tokens += step.computed - start
+        if end == len(tokens):
+            self.stats.prefill_requests += 1
+        self.stats.record("prefill", [req_id])
+        return out.logits[:, -1, :] if self.last_stage else out.logits
+
+    def _decode(self, step: _DecodeStep, receive: Receive) -> torch.Tensor:
+        x, bs, rows = step.x, step.bs, len(step.req_ids)
         if self.before_device is not None:
             self.before_device()
         if receive is not None:  # the previous stage's rows, in this same order (every rank
             x = receive()  # sorts alike), the last input to come
         start_t = time.perf_counter()
-        out = self.rbln_model.decoders[bs](input_ids=x, cache_position=cache_pos, **inputs)
+        out = self.rbln_model.decoders[bs](
+            input_ids=x, cache_position=step.cache_pos, **step.inputs
+        )
         self.stats.device_seconds += time.perf_counter() - start_t
         self.stats.decode_steps += 1
-        self.stats.decode_rows += len(req_ids)
-        self.stats.padded_rows += bs - len(req_ids)
-        self.stats.record("decode", req_ids)
+        self.stats.decode_rows += rows
+        self.stats.padded_rows += bs - rows
+        self.stats.record("decode", step.req_ids)
         if not self.last_stage:
             return out.logits  # hidden states of every row, padding included
-        logits = out.logits[: len(req_ids), -1, :]
+        logits = out.logits[:rows, -1, :]
+        order = step.order
         if order == sorted(order):
             return logits
         inverse = [0] * len(order)
@@ -360,52 +470,9 @@ class RBLNModelRunner:
         vLLM's engine always follows a step's ``execute_model`` with ``sample_tokens`` (with the
         grammar bitmask of the step's structured-output requests), synchronously or, with
         async scheduling, while it already schedules the next step. The RBLN Ray executor
-        sends both as one call to the worker (see ``RBLNWorker.run_step``). A pipeline rank
-        after the first gets the previous rank's hidden states from ``receive``, called once
-        every other input of the step is built (they may still be on their way); a rank
-        before the last returns its own hidden states for the next rank.
+        sends both as one step to the worker's step loop (``RBLNWorker.run_step``).
         """
-        self._update_states(so)
-        if so.total_num_scheduled_tokens == 0:
-            return EMPTY_MODEL_RUNNER_OUTPUT if self.last_stage else None
-        if not self.first_stage and receive is None:
-            raise RuntimeError("pipeline rank without the previous stage's hidden states")
-        plan: KVStepPlan | None = getattr(so, "rbln_plan", None)
-        if plan is None:
-            raise RuntimeError(
-                "scheduler output without an RBLN block plan: the engine must run "
-                "rbln_ray.vllm_plugin.scheduler.RBLNScheduler (set by the RBLN platform)"
-            )
-        # Device rows in the scheduler's order, the same on every pipeline rank (only the last
-        # keeps the input batch, whose order the sampler's rows follow: see _in_batch_order).
-        req_ids = list(so.num_scheduled_tokens)
-        if plan.kind == "prefill":
-            if len(req_ids) != 1:
-                raise RuntimeError(
-                    f"prefill step schedules {req_ids}; the RBLN scheduler must schedule one "
-                    "prefill per step, never mixed with decodes"
-                )
-            req_id = req_ids[0]
-            cached = so.scheduled_cached_reqs
-            self._starting = {n.req_id for n in so.scheduled_new_reqs} | cached.resumed_req_ids
-            logits = self._prefill(so, plan, req_id, receive)
-            if not self.last_stage:
-                return logits
-            state = self.requests[req_id]
-            done = state.num_computed_tokens + so.num_scheduled_tokens[req_id]
-            if done < len(state.prompt_token_ids) + len(state.output_token_ids):
-                # A chunk of a longer prompt: nothing to sample (vLLM expects no token).
-                self._pending = ModelRunnerOutput(
-                    req_ids=[req_id], req_id_to_index={req_id: 0}, sampled_token_ids=[[]]
-                )
-                return None
-        else:
-            logits = self._decode(plan, req_ids, receive)
-            if not self.last_stage:
-                return logits
-            logits = self._in_batch_order(logits, req_ids)
-        self._pending = (so, logits.float())
-        return None
+        return self.launch(self.prepare(so), receive)
 
     def _in_batch_order(self, logits: torch.Tensor, req_ids: list[str]) -> torch.Tensor:
         """Rows of ``logits`` (in ``req_ids`` order) reordered to the input batch's order."""

@@ -24,6 +24,7 @@ import socket
 import threading
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rbln_ray.common import framing
@@ -46,10 +47,30 @@ class Deferred:
 _SENT = object()  # a Deferred's output already sent by the loop thread (urgent results)
 
 
+@dataclass
+class Ahead:
+    """A step its worker prepared on the reader thread (``StepLoop(prepare=...)``): what
+    ``prepare`` returned, or raised (raised again by :meth:`get`, on the loop thread)."""
+
+    scheduler_output: Any
+    prepared: Any = None
+    error: Exception | None = None
+
+    def get(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.prepared
+
+
 class StepLoop:
     """Runs ``run(seq, scheduler_output, grammar_output)`` for every step the engine sends on
     ``conn``, in order, on one thread; sends the results back when ``reports_results`` (the
     last pipeline rank, or the only worker), else only builds them (their metrics).
+
+    ``prepare``: run on the reader thread for each step as it arrives (so while earlier steps
+    are still on the device); ``run`` then gets an :class:`Ahead` instead of the scheduler
+    output. For a worker whose step preparation does not depend on earlier steps' device
+    results (a pipeline rank before the last: it samples nothing).
 
     ``urgent_results``: the loop thread sends each result as soon as its step returns, before
     reading the next step. For a pipeline's last rank: the engine's turn-around to the next
@@ -66,12 +87,14 @@ class StepLoop:
         reports_results: bool,
         urgent_results: bool,
         name: str,
+        prepare: Callable[[Any], Any] | None = None,
         on_queued: Callable[[int], None] | None = None,
     ) -> None:
         self._conn = conn
         self._run = run
         self._reports = reports_results
         self._urgent = urgent_results
+        self._prepare = prepare
         self._on_queued = on_queued  # told each step number once it waits for the loop
         self._held: tuple[int, Deferred] | None = None  # the loop thread's only
         self._inbox: queue.SimpleQueue[tuple[int, Any, Any] | None] = queue.SimpleQueue()
@@ -105,7 +128,10 @@ class StepLoop:
                 if seq != expected:
                     raise RuntimeError(f"step {seq} arrived, step {expected} was expected")
                 expected += 1
-                self._inbox.put((seq, *pickle.loads(payload)))  # our own engine's
+                scheduler_output, grammar_output = pickle.loads(payload)  # our own engine's
+                if self._prepare is not None:
+                    scheduler_output = self._ahead(scheduler_output)
+                self._inbox.put((seq, scheduler_output, grammar_output))
                 if self._on_queued is not None:
                     self._on_queued(seq)
         except framing.StreamClosed:
@@ -115,6 +141,13 @@ class StepLoop:
             logger.exception("reading the engine's steps failed; the step loop stops")
         finally:
             self._inbox.put(None)
+
+    def _ahead(self, scheduler_output: Any) -> Ahead:
+        assert self._prepare is not None
+        try:
+            return Ahead(scheduler_output, prepared=self._prepare(scheduler_output))
+        except Exception as e:  # noqa: BLE001 - raised again by the step, in order
+            return Ahead(scheduler_output, error=e)
 
     def _loop(self) -> None:
         try:

@@ -127,6 +127,7 @@ class RBLNWorker(WorkerBase):
             self.run_step,
             reports_results=reports_results,
             urgent_results=self.urgent_results,
+            prepare=self.prepare_ahead,
             name=f"rbln-steps-{self.rank}",
         )
         self.model_runner.before_device = self._step_loop.release_held
@@ -152,6 +153,12 @@ class RBLNWorker(WorkerBase):
     def urgent_results(self) -> bool:
         """Whether the step loop sends a result before it reads the next step (StepLoop)."""
         return False
+
+    @property
+    def prepare_ahead(self) -> Callable[[SchedulerOutput], Any] | None:
+        """What the step loop may prepare on its reader thread, ahead of the device (StepLoop);
+        None here: this worker samples, and a step's inputs need the last step's tokens."""
+        return None
 
     def step_stats(self) -> dict:
         """Runner counters (collective_rpc target for tests and benchmarks)."""
