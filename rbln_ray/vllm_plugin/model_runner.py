@@ -289,9 +289,13 @@ class RBLNModelRunner:
                 "scheduler output without an RBLN block plan: the engine must run "
                 "rbln_ray.vllm_plugin.scheduler.RBLNScheduler (set by the RBLN platform)"
             )
-        # Device rows in the scheduler's order, the same on every pipeline rank (only the last
-        # keeps the input batch, whose order the sampler's rows follow: see _in_batch_order).
-        req_ids = list(so.num_scheduled_tokens)
+        # Device rows in the input batch's order, which the sampler's rows follow; across
+        # pipeline ranks in the scheduler's order, the same on every rank (only the last keeps
+        # an input batch: its logits are put in batch order, _in_batch_order).
+        if self.first_stage and self.last_stage:
+            req_ids = list(self.input_batch.req_ids)
+        else:
+            req_ids = list(so.num_scheduled_tokens)
         if plan.kind != "prefill":
             return self._prepare_decode(so, plan, req_ids)
         if len(req_ids) != 1:
