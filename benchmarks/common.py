@@ -110,6 +110,41 @@ def host_overhead(calls: list[dict[str, Any]], batch: int | None = None) -> dict
     }
 
 
+def wake_probe(idle_s: float = 0.074, samples: int = 30) -> dict[str, float]:
+    """The host's cost of waking up: one fixed piece of host work (a small dataclass, a slice
+    and an argmax over ``[8, 4096]`` logits: what a step does right after its device call)
+    timed warm, back to back, and right after sleeping ``idle_s`` (a modelled decode step).
+
+    Why: in timing mode the device is a sleep, and what the host does right after it runs on
+    a CPU that was idle that long. On the 2-core test VM the same work took 12 us warm and
+    0.4-0.6 ms after a 74 ms sleep (the idle vCPU wakes slowly; it varied over a day), which
+    dominates "host time per step" there. Reported beside the host-overhead figures so they
+    can be read against the machine's own wake-up cost.
+    """
+    import torch
+
+    logits = torch.zeros(8, 1, 4096)
+
+    def work() -> float:
+        start = time.perf_counter()
+        row = logits[:8, -1, :].float()
+        row.argmax(dim=-1).tolist()
+        return time.perf_counter() - start
+
+    for _ in range(20):
+        work()
+    warm = [work() for _ in range(samples)]
+    cold = []
+    for _ in range(samples):
+        time.sleep(idle_s)
+        cold.append(work())
+    return {
+        "idle_ms": idle_s * 1e3,
+        "warm_us": statistics.median(warm) * 1e6,
+        "after_idle_us": statistics.median(cold) * 1e6,
+    }
+
+
 def meta() -> dict[str, Any]:
     import torch
 

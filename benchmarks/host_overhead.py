@@ -9,7 +9,10 @@ Three runs: the compiled demo graph's own shape (tiny: device time ~0.2 ms); ``-
 (default llama-3-8b: the device time of a real 8B model on ATOM, ~74 ms per decode step),
 against which the goal "host overhead <= 2 % of device time" is judged, with vLLM's
 in-process worker; and ``--shape`` again with the worker in a Ray actor (RBLNRayExecutor, as
-in a Serve replica), where each step also pays an actor round trip. Occupancy: many
+in a Serve replica), where steps reach the worker's step loop on a stream and its host work
+overlaps the device. Before each run a wake-up probe times a fixed piece of host work warm
+and right after 74 ms idle (``common.wake_probe``): what this machine charges the first host
+work after every modelled device call. Occupancy: many
 requests with jittered output lengths; live decode rows / compiled batch over the decode
 steps taken while requests wait for a slot (the drain tail is reported apart).
 
@@ -100,8 +103,15 @@ def main(argv: list[str] | None = None) -> int:
         (args.shape, args.shape, "uni"),
         (ray_label, args.shape, "ray"),
     )
+    probes = []
     for label, shape, executor in runs:
         print(f"== timing mode, device model: {label}", flush=True)
+        probes.append(common.wake_probe())
+        print(
+            f"   host wake-up probe: {probes[-1]['warm_us']:.0f} us warm, "
+            f"{probes[-1]['after_idle_us']:.0f} us after {probes[-1]['idle_ms']:.0f} ms idle",
+            flush=True,
+        )
         spec = {
             "executor": executor,
             "backend": "rbln",
@@ -173,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             "settings": vars(args) | {"compiled": str(compiled), "batches": batches},
             "results": results,
             "goals": goals,
+            "wake_probes": probes,
         },
         args.quick,
     )

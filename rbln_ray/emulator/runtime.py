@@ -197,7 +197,8 @@ class Runtime(KVHostTransfer):
         self._check_shapes(inputs)
         start = time.perf_counter()
         if self._timing is not None:
-            outputs = self._timing.run(self._module, inputs, self._kv, start)
+            buffers = None if out is None else out if isinstance(out, (list, tuple)) else [out]
+            outputs = self._timing.run(self._module, inputs, self._kv, start, buffers)
         else:
             with torch.no_grad(), threads.device_threads():
                 result = self._module(*inputs, *self._kv)
@@ -213,7 +214,8 @@ class Runtime(KVHostTransfer):
                     f"{len(targets)} output buffers for a graph with {len(outputs)} outputs"
                 )
             for target, value in zip(targets, outputs, strict=True):
-                target.copy_(value.reshape(target.shape))
+                if value is not target:  # timing mode wrote into the buffers already
+                    target.copy_(value.reshape(target.shape))
             result = out if isinstance(out, (list, tuple)) and len(out) > 1 else targets[0]
         else:
             result = outputs[0] if len(outputs) == 1 else outputs

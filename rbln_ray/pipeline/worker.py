@@ -90,7 +90,7 @@ class PipelineWorker(RBLNWorker):
         self, seq: int, step: SchedulerOutput | Ahead, grammar_output: GrammarOutput | None
     ) -> ModelRunnerOutput | Deferred:
         """This rank's share of step ``seq``: its layers, then the hidden states straight to
-        the next rank's actor, or (last rank) the sampled output for the engine.
+        the next rank's stream, or (last rank) the sampled output for the engine.
 
         Every rank gets every step from the engine at once, so it updates its request state
         and builds the step's inputs while the previous rank still computes (a rank before

@@ -20,6 +20,7 @@ def test_decode_call_sleeps_the_modelled_time() -> None:
     modelled = call_cost(preset("llama-3-8b"), [Row(1, 100)] * 4, 4, DeviceSpec()).seconds
     assert "timing" in result["runtime_repr"]
     assert result["logits_all_zero"] and result["logits_shape"][-1] == 4096
+    assert result["stale_buffers_zeroed"]
     calls = [c for c in result["calls"] if c["kind"] == "decode"]
     assert len(calls) == 3
     for call in calls:
