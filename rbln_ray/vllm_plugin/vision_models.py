@@ -122,20 +122,8 @@ def _not_on_rbln(*_: Any, **__: Any) -> Any:
     )
 
 
-@MULTIMODAL_REGISTRY.register_processor(
-    LlavaMultiModalProcessor, info=LlavaProcessingInfo, dummy_inputs=LlavaDummyInputs
-)
-class RBLNLlavaDeclaration(nn.Module, SupportsMultiModal):
-    """``LlavaForConditionalGeneration`` as vLLM's registry and front end see it on RBLN."""
-
-    @classmethod
-    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
-        if modality.startswith("image"):
-            return "<image>"
-        raise ValueError("only image inputs are supported")
-
-    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        _not_on_rbln()
+class _Declaration(nn.Module):
+    """What vLLM's model interface asks of a declaration, none of which runs on RBLN."""
 
     def embed_input_ids(self, input_ids: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
         return _not_on_rbln()
@@ -151,6 +139,22 @@ class RBLNLlavaDeclaration(nn.Module, SupportsMultiModal):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return _not_on_rbln()
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    LlavaMultiModalProcessor, info=LlavaProcessingInfo, dummy_inputs=LlavaDummyInputs
+)
+class RBLNLlavaDeclaration(_Declaration, SupportsMultiModal):
+    """``LlavaForConditionalGeneration`` as vLLM's registry and front end see it on RBLN."""
+
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
+        if modality.startswith("image"):
+            return "<image>"
+        raise ValueError("only image inputs are supported")
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        _not_on_rbln()
 
 
 # ----------------------------------------------------------------------------- Qwen2-VL
@@ -258,7 +262,7 @@ class Qwen2VLMultiModalProcessor(BaseMultiModalProcessor[Qwen2VLProcessingInfo])
 @MULTIMODAL_REGISTRY.register_processor(
     Qwen2VLMultiModalProcessor, info=Qwen2VLProcessingInfo, dummy_inputs=Qwen2VLDummyInputs
 )
-class RBLNQwen2VLDeclaration(nn.Module, SupportsMultiModal, SupportsMRoPE):
+class RBLNQwen2VLDeclaration(_Declaration, SupportsMultiModal, SupportsMRoPE):
     """``Qwen2VLForConditionalGeneration`` as vLLM's registry and front end see it on RBLN.
 
     Constructible (it holds the HF config only) so that its M-RoPE contract,
@@ -281,18 +285,3 @@ class RBLNQwen2VLDeclaration(nn.Module, SupportsMultiModal, SupportsMRoPE):
     ) -> tuple[torch.Tensor, int]:
         merge = self.config.vision_config.spatial_merge_size
         return mrope_positions(len(input_tokens), image_grids(mm_features), merge)
-
-    def embed_input_ids(self, input_ids: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
-        return _not_on_rbln()
-
-    def embed_multimodal(self, **kwargs: object) -> Any:
-        return _not_on_rbln()
-
-    def get_language_model(self) -> nn.Module:
-        return _not_on_rbln()
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, **kw: Any) -> Any:
-        return _not_on_rbln()
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return _not_on_rbln()
