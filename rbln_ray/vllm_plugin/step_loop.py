@@ -190,7 +190,10 @@ class StepLoop:
             if result is not _SENT and not self._send(seq, result):
                 return  # the engine went away; the loop thread ends too
             if then is not None:
-                then()
+                try:
+                    then()
+                except Exception:  # noqa: BLE001 - bookkeeping must not stop the results
+                    logger.exception("after step %d", seq)
 
     def _send(self, seq: int, value: Any) -> bool:
         """Send a step's result (or failure) to the engine; False once the stream is closed."""
