@@ -57,8 +57,12 @@ class PipelineWorker(RBLNWorker):
     def prepare_ahead(self) -> Callable[[SchedulerOutput], Any] | None:
         """A rank before the last samples nothing: a step's inputs come from the scheduler
         output alone (its tokens too, vLLM's pipeline-parallel contract), so the reader thread
-        prepares each step while earlier ones are on the device."""
-        return self.model_runner.prepare if self._sender is not None else None
+        prepares each whole step while earlier ones are on the device. The last rank, like a
+        single worker, builds a decode step's inputs there and updates its sampler's state
+        on the loop thread."""
+        if self._sender is None:
+            return super().prepare_ahead
+        return self.model_runner.prepare
 
     @property
     def urgent_results(self) -> bool:
@@ -103,7 +107,12 @@ class PipelineWorker(RBLNWorker):
         ahead = isinstance(step, Ahead)
         scheduler_output = step.scheduler_output if ahead else step
         try:
-            prepared = step.get() if ahead else self.model_runner.prepare(step)
+            if not ahead:
+                prepared = self.model_runner.prepare(step)
+            elif self._sender is not None:  # prepared whole on the reader thread
+                prepared = step.get()
+            else:
+                prepared = self.model_runner.prepare(scheduler_output, step.get())
             output = self.model_runner.launch(prepared, receive)
         except BaseException as e:
             if self._sender is not None and scheduler_output.total_num_scheduled_tokens:

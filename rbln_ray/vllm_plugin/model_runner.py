@@ -64,6 +64,7 @@ class StepStats:
     kv_copies: int = 0  # on-device KV block copies (prefix hits in another request's block)
     kv_copy_tokens: int = 0
     decode_steps: int = 0
+    decode_inputs_ahead: int = 0  # decode steps whose inputs were built ahead (decode_ahead)
     decode_rows: int = 0
     padded_rows: int = 0
     device_seconds: float = 0.0
@@ -92,15 +93,19 @@ class _PrefillStep:
 
 @dataclass
 class _DecodeStep:
-    """A decode step with every device input built."""
+    """A decode step's device inputs: all but the token ids ``x`` follow from the scheduler
+    output alone (positions, block tables, padding rows), so they may be built ahead
+    (:meth:`RBLNModelRunner.decode_ahead`); ``x`` needs the previous step's tokens."""
 
     so: SchedulerOutput
-    req_ids: list[str]  # live rows, scheduler order
+    req_ids: list[str]  # live rows: the input batch's order, or the scheduler's (pipeline)
     bs: int  # the compiled decode batch that runs it
     order: list[int]  # device row -> index into req_ids (length-sorted NPU kernels)
-    x: torch.Tensor | None  # token ids (first pipeline rank); else the previous rank's states
+    positions: list[int]  # each live device row's position (where its new token goes)
     cache_pos: torch.Tensor
     inputs: dict[str, torch.Tensor | None]
+    x: torch.Tensor | None = None  # token ids (first pipeline rank); else the previous
+    # rank's hidden states, received at launch
 
 
 # What prepare() hands launch(): a step to run, or an output at once (nothing scheduled).
@@ -153,6 +158,10 @@ class RBLNModelRunner:
         self.sampler = Sampler(logprobs_mode=model_config.logprobs_mode)
         self.requests: dict[str, CachedRequestState] = {}
         self.stats = StepStats()
+        # The rows of the last step prepared (the sampling rank's guess of the next decode
+        # step's row order, decode_ahead); replaced, never mutated, so the reader thread may
+        # read it while the loop thread prepares.
+        self._last_rows: list[str] = []
         # What the next sample_tokens returns: a step's logits to sample, or the output of a
         # prompt chunk (nothing to sample).
         self._pending: tuple[SchedulerOutput, torch.Tensor] | ModelRunnerOutput | None = None
@@ -274,12 +283,15 @@ class RBLNModelRunner:
         return True
 
     # ----------------------------------------------------------------- step preparation
-    def prepare(self, so: SchedulerOutput) -> PreparedStep:
+    def prepare(self, so: SchedulerOutput, ahead: _DecodeStep | None = None) -> PreparedStep:
         """Everything of a step that needs no device and no earlier step's device results:
         request state from the scheduler output, then (decode) every input of the device
         call. :meth:`launch` runs it. On the rank that samples this must follow the previous
         step's sampling (its tokens are the inputs); a pipeline rank before the last may
-        prepare a step while its previous one is still on the device."""
+        prepare a step while its previous one is still on the device.
+
+        ``ahead``: this step's inputs from :meth:`decode_ahead`, used if its rows are the
+        ones this step runs (else the inputs are built here)."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT if self.last_stage else None
@@ -296,8 +308,16 @@ class RBLNModelRunner:
             req_ids = list(self.input_batch.req_ids)
         else:
             req_ids = list(so.num_scheduled_tokens)
+        self._last_rows = req_ids
         if plan.kind != "prefill":
-            return self._prepare_decode(so, plan, req_ids)
+            if ahead is None or ahead.so is not so or ahead.req_ids != req_ids:
+                positions = [self.requests[r].num_computed_tokens for r in req_ids]
+                ahead = self._prepare_decode(so, plan, req_ids, positions)
+            else:
+                self.stats.decode_inputs_ahead += 1
+            if self.first_stage:
+                ahead.x = self._token_ids(ahead)
+            return ahead
         if len(req_ids) != 1:
             raise RuntimeError(
                 f"prefill step schedules {req_ids}; the RBLN scheduler must schedule one "
@@ -319,30 +339,54 @@ class RBLNModelRunner:
             or any(n.req_id == req_id for n in so.scheduled_new_reqs),
         )
 
+    def decode_ahead(self, so: SchedulerOutput) -> _DecodeStep | None:
+        """A decode step's inputs but its token ids, built from its scheduler output alone:
+        on the sampling rank's step-loop reader thread, while the previous step is still on
+        the device, so that only sampling and the token ids stay between two device calls.
+
+        The rows must be in the order :meth:`prepare` will run them. On a pipeline's last
+        rank that is the scheduler's order; on a single worker the input batch's, which
+        only this step's update makes: it is guessed as the last step's rows when the step
+        runs the same requests and none starts, resumes or finishes (a decode run's steady
+        state), and :meth:`prepare` builds the inputs itself when the guess was wrong.
+        None: nothing to build ahead (a prefill, a changed batch, a vision-language model)."""
+        plan: KVStepPlan | None = getattr(so, "rbln_plan", None)
+        if plan is None or plan.kind == "prefill" or self.embedder is not None:
+            return None
+        cached = so.scheduled_cached_reqs
+        if so.scheduled_new_reqs or so.finished_req_ids or cached.resumed_req_ids:
+            return None
+        if self.first_stage and self.last_stage:  # prepare() runs the input batch's order
+            req_ids = self._last_rows
+            if len(req_ids) != len(so.num_scheduled_tokens) or not all(
+                r in so.num_scheduled_tokens for r in req_ids
+            ):
+                return None
+        else:
+            req_ids = list(so.num_scheduled_tokens)
+        computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        if not all(r in computed for r in req_ids):
+            return None
+        return self._prepare_decode(so, plan, req_ids, [computed[r] for r in req_ids])
+
     def _prepare_decode(
-        self, so: SchedulerOutput, plan: KVStepPlan, req_ids: list[str]
+        self, so: SchedulerOutput, plan: KVStepPlan, req_ids: list[str], positions: list[int]
     ) -> _DecodeStep:
+        """A decode step's inputs but its token ids (:meth:`_token_ids`); ``positions``: each
+        row's computed tokens, the position its new token is written at."""
         sizes = self.artifact.decoder_batch_sizes
         idx = bisect.bisect_left(sizes, len(req_ids))
         if idx == len(sizes):
             raise RuntimeError(f"{len(req_ids)} decode rows exceed the compiled batch {sizes[-1]}")
         bs = sizes[idx]
         order = list(range(len(req_ids)))
-        positions = [self.requests[r].num_computed_tokens for r in req_ids]
         if self.artifact.requires_batch_sort:  # NPU kernels that need length-sorted rows
             order.sort(key=lambda i: -positions[i])
         # Inputs are built as lists and converted once: per-row tensor writes cost ~10 us
         # each, a measurable share of the host time per step at batch 8.
         pos = [positions[i] for i in order]
         ids_in_order = [req_ids[i] for i in order]
-        states = [self.requests[r] for r in ids_in_order]
         padding = bs - len(req_ids)
-        x = None
-        if self.first_stage:
-            x = torch.tensor(
-                [s.get_token_id(p) for s, p in zip(states, pos, strict=True)] + [0] * padding,
-                dtype=torch.long,
-            ).view(bs, 1)
         cache_pos = torch.tensor(pos + [plan.scratch_position] * padding, dtype=torch.int32)
         cache_pos = cache_pos.view(bs, 1)
         rows = [self._table_row(plan.tables[r]) for r in ids_in_order]
@@ -361,8 +405,18 @@ class RBLNModelRunner:
         if self.artifact.use_position_ids:
             inputs["position_ids"] = cache_pos
         if self.embedder is not None:  # e.g. Qwen2-VL's M-RoPE position embeddings
+            states = [self.requests[r] for r in ids_in_order]
             inputs.update(self.embedder.decode_inputs(states, cache_pos))
-        return _DecodeStep(so, req_ids, bs, order, x, cache_pos, inputs)
+        return _DecodeStep(so, req_ids, bs, order, pos, cache_pos, inputs)
+
+    def _token_ids(self, step: _DecodeStep) -> torch.Tensor:
+        """The step's input token ids, ``[bs, 1]``: each row's token at its position (the
+        last sampled one), 0 in padding rows."""
+        rows = [step.req_ids[i] for i in step.order]
+        tokens = [
+            self.requests[r].get_token_id(p) for r, p in zip(rows, step.positions, strict=True)
+        ]
+        return torch.tensor(tokens + [0] * (step.bs - len(rows)), dtype=torch.long).view(-1, 1)
 
     # ----------------------------------------------------------------- device calls
     def launch(

@@ -34,6 +34,11 @@ class RBLNPoolingWorker(RBLNWorker):
         model = load_compiled_model(self.artifact, self.device_ids)
         self.model_runner = RBLNPoolingRunner(self.vllm_config, self.artifact, model)
 
+    @property
+    def prepare_ahead(self) -> None:
+        """An encoder step depends on no earlier step: nothing to build ahead of it."""
+        return None
+
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         return {}
 

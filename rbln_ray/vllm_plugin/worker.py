@@ -26,7 +26,7 @@ from rbln_ray.vllm_plugin.device_metrics import DeviceMetrics
 from rbln_ray.vllm_plugin.loader import load_compiled_model
 from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner
 from rbln_ray.vllm_plugin.platform import block_layout, compiled_artifact
-from rbln_ray.vllm_plugin.step_loop import Deferred, StepLoop
+from rbln_ray.vllm_plugin.step_loop import Ahead, Deferred, StepLoop
 
 logger = logging.getLogger(__name__)
 
@@ -133,11 +133,15 @@ class RBLNWorker(WorkerBase):
         self.model_runner.before_device = self._step_loop.release_held
 
     def run_step(
-        self, seq: int, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None
+        self, seq: int, step: SchedulerOutput | Ahead, grammar_output: GrammarOutput | None
     ) -> ModelRunnerOutput | Deferred:
         """One whole step on the step loop: what the engine's ``execute_model`` +
         ``sample_tokens`` pair does."""
-        output = self.model_runner.execute_model(scheduler_output)
+        if isinstance(step, Ahead):  # its inputs built on the reader thread (prepare_ahead)
+            runner = self.model_runner
+            output = runner.launch(runner.prepare(step.scheduler_output, step.get()))
+        else:
+            output = self.model_runner.execute_model(step)
         if output is not None:
             self._observe_step()
             return output
@@ -156,9 +160,10 @@ class RBLNWorker(WorkerBase):
 
     @property
     def prepare_ahead(self) -> Callable[[SchedulerOutput], Any] | None:
-        """What the step loop may prepare on its reader thread, ahead of the device (StepLoop);
-        None here: this worker samples, and a step's inputs need the last step's tokens."""
-        return None
+        """What the step loop prepares on its reader thread, while earlier steps are on the
+        device (StepLoop): a decode step's inputs but its token ids, which need the previous
+        step's sampling (RBLNModelRunner.decode_ahead)."""
+        return self.model_runner.decode_ahead
 
     def step_stats(self) -> dict:
         """Runner counters (collective_rpc target for tests and benchmarks)."""

@@ -56,7 +56,11 @@ def generate(spec: dict) -> dict:
     def run(llm: Any) -> dict:
         infos = llm.collective_rpc("device_info")
         outs = llm.generate(prompts, params, use_tqdm=False)
-        return {"devices": infos, "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+        return {
+            "devices": infos,
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "stats": llm.collective_rpc("step_stats"),
+        }
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(len(engines)) as pool:  # every engine serves at the same time

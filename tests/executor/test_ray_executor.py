@@ -99,9 +99,14 @@ def test_four_engines_one_per_device(cluster, artifacts, reference) -> None:
     )
     *ray_engines, uni = result["engines"]
     assert uni["tokens"] == reference
+    # vLLM's in-process worker builds each step's inputs between device calls; the Ray
+    # workers' step loops build decode inputs while the previous step is on the device.
+    assert uni["stats"][0]["decode_inputs_ahead"] == 0
     placed = set()
     for engine in ray_engines:
         assert engine["tokens"] == reference
+        (stats,) = engine["stats"]
+        assert stats["decode_inputs_ahead"] > stats["decode_steps"] // 2, stats
         (info,) = engine["devices"]
         assert info["device_ids"] == [0]
         placed.add((info["node"], info["rbln_devices"]))

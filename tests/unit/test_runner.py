@@ -138,6 +138,24 @@ class Engine(Harness):
         self.scheduler.update_from_output(so, result)
 
 
+class AheadEngine(Engine):
+    """Steps as the Ray executor's step loop does: each decode step's inputs but its token
+    ids built by ``decode_ahead`` before the previous step's tokens are known (its reader
+    thread, while the device runs), the rest by ``prepare``. ``misguess``: hand ``prepare``
+    the ahead inputs with their rows reversed, which it must not use."""
+
+    def __init__(self, artifact: Path, misguess: bool = False, **engine: object) -> None:
+        super().__init__(artifact, **engine)
+        self.misguess = misguess
+
+    def run_step(self, so):
+        ahead = self.runner.decode_ahead(so)
+        if ahead is not None and self.misguess and len(ahead.req_ids) > 1:
+            ahead.req_ids = ahead.req_ids[::-1]
+        self.runner.launch(self.runner.prepare(so, ahead))
+        return self.runner.sample_tokens(None)
+
+
 PROMPTS = {
     "one": [5],
     "short": [100, 200, 300],
@@ -170,6 +188,29 @@ def test_mixed_batch_matches_the_reference(artifact: Path, async_scheduling: boo
     stats = engine.runner.stats
     assert stats.padded_rows > 0  # requests finished at different times: padding rows ran
     assert stats.prefill_requests == len(PROMPTS)
+
+
+@pytest.mark.parametrize("misguess", [False, True], ids=["ahead", "misguessed"])
+def test_decode_inputs_built_ahead_match_the_reference(artifact: Path, misguess: bool) -> None:
+    """The step loop's split: a decode step's positions, block tables and padding rows built
+    from its scheduler output alone, one step early; its token ids after sampling. Exact in a
+    mixed batch (starts, chunked prompts, finishes at different times), and a step whose rows
+    are not the ones built ahead is built again rather than run on the wrong rows."""
+    engine = AheadEngine(artifact, misguess=misguess, async_scheduling=True)
+    for req_id, prompt in PROMPTS.items():
+        engine.add(req_id, prompt, LENGTHS[req_id])
+    outputs = engine.drive()
+    for req_id, prompt in PROMPTS.items():
+        assert outputs[req_id] == reference(prompt, LENGTHS[req_id]), req_id
+    stats = engine.runner.stats
+    if misguess:  # only single-row steps (nothing to reverse) may use the ahead inputs
+        assert stats.decode_inputs_ahead < stats.decode_steps
+        assert stats.decode_rows > stats.decode_steps  # multi-row steps ran, built again
+    else:
+        # every decode step but one after a prefill step or a finish (a changed batch)
+        misses = stats.decode_steps - stats.decode_inputs_ahead
+        assert misses <= stats.prefill_steps + len(PROMPTS), stats
+        assert stats.decode_inputs_ahead > 0
 
 
 def test_prefix_hits_copy_or_adopt_kv_and_stay_exact(artifact: Path) -> None:
