@@ -111,15 +111,15 @@ def host_overhead(calls: list[dict[str, Any]], batch: int | None = None) -> dict
 
 
 def wake_probe(idle_s: float = 0.074, samples: int = 30) -> dict[str, float]:
-    """The host's cost of waking up: one fixed piece of host work (a small dataclass, a slice
-    and an argmax over ``[8, 4096]`` logits: what a step does right after its device call)
-    timed warm, back to back, and right after sleeping ``idle_s`` (a modelled decode step).
+    """The host's cost of waking up: one fixed piece of host work (a slice and an argmax over
+    ``[8, 4096]`` logits: what a step does right after its device call) timed warm, back to
+    back, and right after sleeping ``idle_s`` (a modelled decode step).
 
     Why: in timing mode the device is a sleep, and what the host does right after it runs on
-    a CPU that was idle that long. On the 2-core test VM the same work took 12 us warm and
-    0.4-0.6 ms after a 74 ms sleep (the idle vCPU wakes slowly; it varied over a day), which
-    dominates "host time per step" there. Reported beside the host-overhead figures so they
-    can be read against the machine's own wake-up cost.
+    a CPU that was idle that long. On the 2-core test VM the same work took 12-47 us warm and
+    0.2-0.6 ms after a 74 ms sleep (the code touched first after the idle runs slowly; it
+    varied over a day), a large share of "host time per step" there. Reported beside the
+    host-overhead figures so they can be read against the machine's own wake-up cost.
     """
     import torch
 

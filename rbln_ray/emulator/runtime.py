@@ -195,18 +195,17 @@ class Runtime(KVHostTransfer):
             names = [n for n, _, _ in self._cm.input_info]
             raise ValueError(f"expected {self._num_inputs} inputs {names}, got {len(inputs)}")
         self._check_shapes(inputs)
+        targets = None if out is None else out if isinstance(out, (list, tuple)) else [out]
         start = time.perf_counter()
         if self._timing is not None:
-            buffers = None if out is None else out if isinstance(out, (list, tuple)) else [out]
-            outputs = self._timing.run(self._module, inputs, self._kv, start, buffers)
+            outputs = self._timing.run(self._module, inputs, self._kv, start, targets)
         else:
             with torch.no_grad(), threads.device_threads():
                 result = self._module(*inputs, *self._kv)
             outputs = graph_outputs(result)
             call_log.record_call(start, inputs)
         computed = time.perf_counter()
-        if out is not None:
-            targets = out if isinstance(out, (list, tuple)) else [out]
+        if targets is not None:
             if len(targets) != len(outputs):
                 # A compiled graph's outputs are fixed; a buffer left unwritten would hand the
                 # caller uninitialised memory.

@@ -177,15 +177,20 @@ def artifact(request, tmp_path: Path) -> Path:
     return write_artifact(tmp_path, **request.param)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_mixed_batch_matches_the_reference(artifact: Path, async_scheduling: bool) -> None:
-    engine = Engine(artifact, async_scheduling=async_scheduling)
+def drive_mixed_batch(engine: Engine):
+    """Run every prompt of ``PROMPTS`` to its length; assert each output equals the reference
+    and return the runner's counters."""
     for req_id, prompt in PROMPTS.items():
         engine.add(req_id, prompt, LENGTHS[req_id])
     outputs = engine.drive()
     for req_id, prompt in PROMPTS.items():
         assert outputs[req_id] == reference(prompt, LENGTHS[req_id]), req_id
-    stats = engine.runner.stats
+    return engine.runner.stats
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_mixed_batch_matches_the_reference(artifact: Path, async_scheduling: bool) -> None:
+    stats = drive_mixed_batch(Engine(artifact, async_scheduling=async_scheduling))
     assert stats.padded_rows > 0  # requests finished at different times: padding rows ran
     assert stats.prefill_requests == len(PROMPTS)
 
@@ -196,13 +201,7 @@ def test_decode_inputs_built_ahead_match_the_reference(artifact: Path, misguess:
     from its scheduler output alone, one step early; its token ids after sampling. Exact in a
     mixed batch (starts, chunked prompts, finishes at different times), and a step whose rows
     are not the ones built ahead is built again rather than run on the wrong rows."""
-    engine = AheadEngine(artifact, misguess=misguess, async_scheduling=True)
-    for req_id, prompt in PROMPTS.items():
-        engine.add(req_id, prompt, LENGTHS[req_id])
-    outputs = engine.drive()
-    for req_id, prompt in PROMPTS.items():
-        assert outputs[req_id] == reference(prompt, LENGTHS[req_id]), req_id
-    stats = engine.runner.stats
+    stats = drive_mixed_batch(AheadEngine(artifact, misguess=misguess, async_scheduling=True))
     if misguess:  # only single-row steps (nothing to reverse) may use the ahead inputs
         assert stats.decode_inputs_ahead < stats.decode_steps
         assert stats.decode_rows > stats.decode_steps  # multi-row steps ran, built again
