@@ -45,7 +45,7 @@ def compiled(stages: int, batch: int, max_seq_len: int, root: Path) -> Path:
 
     out = root / f"tiny-llama-32l-b{batch}-s{stages}"
     if not is_compiled_dir(out):
-        compile_pipeline(hf, out, stages, **settings)
+        compile_pipeline(hf, out, stages, CompileSettings(**settings))
     return out
 
 

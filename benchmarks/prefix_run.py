@@ -39,11 +39,11 @@ def _engine(spec: dict):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from rbln_ray.vllm_plugin.options import DECODE_STEPS_KEY
+    from rbln_ray.vllm_plugin.options import PREFIX
 
     extra = {}
     if spec.get("decode_steps_between_chunks") is not None:
-        extra[DECODE_STEPS_KEY] = spec["decode_steps_between_chunks"]
+        extra[PREFIX + "decode_steps_between_chunks"] = spec["decode_steps_between_chunks"]
     args = AsyncEngineArgs(
         model=spec["model"],
         seed=0,

@@ -46,7 +46,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from rbln_ray.compile import compile_hf_model
+    from rbln_ray.compile import CompileSettings, compile_hf_model
     from rbln_ray.emulator import ensure_runtime
 
     if ensure_runtime() != "emulated":
@@ -72,7 +72,8 @@ def main() -> None:
     prompts = torch.randint(10, 4000, (batch, args.context), dtype=torch.int64)
 
     with tempfile.TemporaryDirectory() as tmp:
-        compile_hf_model(hf_dir, tmp, batch_size=batch, max_seq_len=args.max_seq_len)
+        settings = CompileSettings(batch_size=batch, max_seq_len=args.max_seq_len)
+        compile_hf_model(hf_dir, tmp, settings)
         model = RBLNAutoModelForCausalLM.from_pretrained(tmp, export=False)
         tables = torch.arange(batch, dtype=torch.int16).view(batch, 1)
         for i in range(batch):

@@ -17,6 +17,7 @@ from pathlib import Path
 # Lowest first. A package may import packages of lower layers and its own package only.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("common",),
+    ("upstream",),
     ("npu",),
     ("emulator",),
     ("compile",),

@@ -13,78 +13,20 @@ from rbln_ray.serve.local_ray import METRICS_EXPORT_PORT
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
+    from rbln_ray.cli.compile_flags import settings_from_args
     from rbln_ray.cli.runtime_choice import choose_runtime
-    from rbln_ray.compile.encoders import compile_encoder, encoder_for_dir
-    from rbln_ray.compile.family_compile import CompileConfigError, compile_model
-    from rbln_ray.compile.vision import compile_vision_language, vision_family_for_dir
-    from rbln_ray.compile.zoo import UnsupportedModelError, family_for_dir
+    from rbln_ray.compile.family_compile import compile_directory
 
-    encoder = encoder_for_dir(args.hf_dir)
-    vision = vision_family_for_dir(args.hf_dir)
     try:
-        if encoder is None and vision is None:
-            family_for_dir(args.hf_dir)  # before choosing a runtime or loading any weights
-    except UnsupportedModelError as exc:
+        settings = settings_from_args(args)
+        choose_runtime()
+        what = compile_directory(
+            args.hf_dir, args.out_dir, settings, pipeline_stages=args.pipeline_stages
+        )
+    except ValueError as exc:
         print(f"rbln-ray compile: {exc}", file=sys.stderr)
         return 2
-    choose_runtime()
-    if encoder is not None:
-        if args.pipeline_stages > 1 or args.num_devices > 1:
-            print(
-                f"rbln-ray compile: {encoder.architecture} is an encoder: one stage, one device",
-                file=sys.stderr,
-            )
-            return 2
-        out = compile_encoder(
-            args.hf_dir, args.out_dir, batch_size=args.batch_size, max_seq_len=args.max_seq_len
-        )
-        print(f"compiled {encoder.architecture} encoder (embeddings) written to {out}")
-        return 0
-    sizes = (
-        [int(s) for s in args.decoder_batch_sizes.split(",")] if args.decoder_batch_sizes else None
-    )
-    settings = dict(
-        batch_size=args.batch_size,
-        max_seq_len=args.max_seq_len,
-        attn_impl=args.attn_impl,
-        kvcache_partition_len=args.kvcache_partition_len,
-        num_devices=args.num_devices,
-        decoder_batch_sizes=sizes,
-    )
-    if vision is not None:
-        if args.pipeline_stages > 1:
-            print(
-                f"rbln-ray compile: {vision.architecture} is a vision-language model: "
-                "pipeline stages are not supported",
-                file=sys.stderr,
-            )
-            return 2
-        out = compile_vision_language(
-            args.hf_dir, args.out_dir, kvcache_num_blocks=args.kvcache_num_blocks, **settings
-        )
-        print(f"compiled {vision.architecture} (vision-language) written to {out}")
-        return 0
-    if args.kvcache_num_blocks is not None:
-        if args.pipeline_stages > 1:
-            print(
-                "rbln-ray compile: --kvcache-num-blocks cannot be combined with "
-                "--pipeline-stages (every stage is compiled with full KV capacity)",
-                file=sys.stderr,
-            )
-            return 2
-        settings["kvcache_num_blocks"] = args.kvcache_num_blocks
-    if args.pipeline_stages > 1:
-        from rbln_ray.compile import compile_pipeline
-
-        out = compile_pipeline(args.hf_dir, args.out_dir, args.pipeline_stages, **settings)
-        print(f"{args.pipeline_stages}-stage pipeline written to {out}")
-        return 0
-    try:
-        out = compile_model(args.hf_dir, args.out_dir, **settings)
-    except CompileConfigError as exc:
-        print(f"rbln-ray compile: {exc}", file=sys.stderr)
-        return 2
-    print(f"compiled model written to {out}")
+    print(f"compiled {what} written to {args.out_dir}")
     return 0
 
 
@@ -208,21 +150,12 @@ def parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(func=cmd_serve)
 
+    from rbln_ray.cli.compile_flags import add_compile_flags
+
     c = add_parser("compile", help="compile an HF model directory with optimum-rbln")
     c.add_argument("hf_dir")
     c.add_argument("out_dir")
-    c.add_argument("--batch-size", type=int, default=4)
-    c.add_argument("--max-seq-len", type=int, required=True)
-    c.add_argument("--attn-impl", choices=["eager", "flash_attn"], default="eager")
-    c.add_argument("--kvcache-partition-len", type=int)
-    c.add_argument(
-        "--kvcache-num-blocks",
-        type=int,
-        help="compiled KV blocks (default: optimum's; blocks beyond batch x sequences keep "
-        "more prefixes cached)",
-    )
-    c.add_argument("--num-devices", type=int, default=1)
-    c.add_argument("--decoder-batch-sizes", help="comma list, e.g. 4,2,1")
+    add_compile_flags(c)
     c.add_argument(
         "--pipeline-stages",
         type=int,

@@ -26,9 +26,10 @@ def prepare_models(config: AppConfig) -> AppConfig:
     for m in config.models:
         path, settings = m.model, m.compile
         if path == DEMO_MODEL:
-            path, settings = str(demo_model_dir()), {**DEMO_COMPILE, **m.compile}
-        compiled = resolve_compiled_dir(path, CompileSettings.from_dict(settings))
-        models.append(m.model_copy(update={"model": str(compiled), "compile": {}}))
+            given = m.compile.model_dump(exclude_unset=True)
+            path, settings = str(demo_model_dir()), CompileSettings(**{**DEMO_COMPILE, **given})
+        compiled = resolve_compiled_dir(path, settings)
+        models.append(m.model_copy(update={"model": str(compiled), "compile": CompileSettings()}))
     return config.model_copy(update={"models": models})
 
 

@@ -43,10 +43,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ray.autoscaler._private.command_runner import SSHCommandRunner
-from ray.autoscaler._private.local.node_provider import LocalNodeProvider
+from rbln_ray.upstream.ray_internals import local_node_provider_base, ssh_command_runner_base
 
 logger = logging.getLogger(__name__)
+# Ray's private on-prem classes (rbln_ray.upstream.ray_internals guards what is used of them).
+SSHCommandRunner = ssh_command_runner_base()
+LocalNodeProvider = local_node_provider_base()
 
 RAY_STOP = "ray stop"
 SHUTDOWN = "sudo shutdown -h now"

@@ -144,12 +144,25 @@ def _prefill_resumable(cls_name: str) -> bool:
     return family.prefill_resumable if family is not None else True
 
 
+# Parsed artifacts of this process, by directory and the version of its config file: the
+# platform, scheduler, executor, worker and Serve builder all ask for the same one.
+_PARSED: dict[tuple[str, int], CompiledArtifact | EncoderArtifact] = {}
+
+
 def load_artifact(path: str | Path) -> CompiledArtifact | EncoderArtifact:
-    """A compiled directory's artifact: an encoder's (by its ``config.json`` architecture) or
-    a decoder's."""
-    if encoder_for_dir(path) is not None:
-        return EncoderArtifact.load(path)
-    return CompiledArtifact.load(path)
+    """A compiled directory's artifact, parsed once per process: an encoder's (by its
+    ``config.json`` architecture) or a decoder's."""
+    path = Path(path)
+    config = path / PIPELINE_MANIFEST
+    if not config.is_file():
+        config = path / RBLN_CONFIG
+    key = (str(path.resolve()), config.stat().st_mtime_ns if config.is_file() else -1)
+    art = _PARSED.get(key)
+    if art is None:
+        art = EncoderArtifact.load(path) if encoder_for_dir(path) is not None else None
+        art = art or CompiledArtifact.load(path)
+        _PARSED[key] = art
+    return art
 
 
 def is_compiled_dir(path: str | Path) -> bool:

@@ -55,9 +55,7 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
             f"model {str(model)!r} is not a local directory; rbln-ray loads local compiled "
             "(or HF) directories only"
         )
-    encoder = encoder_for_dir(model_dir)
-    vision = vision_family_for_dir(model_dir)
-    if encoder is None and vision is None:
+    if encoder_for_dir(model_dir) is None and vision_family_for_dir(model_dir) is None:
         family_for_dir(model_dir)  # raises naming the supported architectures
     if is_compiled_dir(model_dir):
         return model_dir
@@ -73,9 +71,7 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
         if is_compiled_dir(out):
             logger.info("using cached compiled model %s", out)
             return out
-        from rbln_ray.compile.encoders import compile_encoder
-        from rbln_ray.compile.family_compile import compile_model
-        from rbln_ray.compile.vision import compile_vision_language
+        from rbln_ray.compile.family_compile import compile_directory
 
         logger.info(
             "compiling %s for RBLN (%s) into %s; this runs once per model and settings",
@@ -85,11 +81,6 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
         )
         started = time.monotonic()
         with atomic_dir(out) as tmp:
-            compile_fn = compile_model
-            if encoder is not None:
-                compile_fn = compile_encoder
-            elif vision is not None:
-                compile_fn = compile_vision_language
-            compile_fn(model_dir, tmp, **settings.as_dict())
+            compile_directory(model_dir, tmp, settings)
         logger.info("compiled %s in %.1f s", out.name, time.monotonic() - started)
     return out

@@ -19,9 +19,9 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from rbln_ray.common.artifact_files import RBLN_CONFIG, architectures
+from rbln_ray.compile.settings import CompileSettings
 
 logger = logging.getLogger(__name__)
 
@@ -130,16 +130,28 @@ class EncoderArtifact:
         )
 
 
-def compile_encoder(
-    hf_dir: str | Path, out_dir: str | Path, *, batch_size: int, max_seq_len: int, **_: Any
-) -> Path:
-    """Compile ``hf_dir`` with its optimum-rbln encoder class (decoder-only settings such as
-    ``attn_impl`` do not apply and are ignored); returns ``out_dir``."""
+def compile_encoder(hf_dir: str | Path, out_dir: str | Path, settings: CompileSettings) -> Path:
+    """Compile ``hf_dir`` with its optimum-rbln encoder class: one graph of ``batch_size`` x
+    ``max_seq_len`` tokens on one device; returns ``out_dir``. Decoder-only settings
+    (attention, KV blocks, decode batches) do not apply and are refused when set."""
     from rbln_ray.emulator.switch import require_runtime
 
     family = encoder_for_dir(hf_dir)
     if family is None:
         raise ValueError(f"{hf_dir} is not an encoder rbln-ray compiles")
+    decoder_only = {
+        k: v
+        for k, v in settings.as_dict().items()
+        if k not in ("batch_size", "max_seq_len") and v != CompileSettings.model_fields[k].default
+    }
+    if decoder_only:
+        raise ValueError(
+            f"{family.architecture} is an encoder (one graph on one device): "
+            f"{decoder_only} do not apply"
+        )
+    hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
+    settings = settings.with_max_seq_len(hf_config)
+    batch_size, max_seq_len = settings.batch_size, settings.max_seq_len
     require_runtime("compile a model")
     import optimum.rbln
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
 
+from rbln_ray.compile.settings import CompileSettings
 from rbln_ray.compile.zoo import ModelFamily, family_for_dir
 
 logger = logging.getLogger(__name__)
@@ -23,8 +23,9 @@ class CompileConfigError(ValueError):
     """optimum-rbln rejected a compile setting or a model config value (message names it)."""
 
 
-def compile_model(hf_dir: str | Path, out_dir: str | Path, **settings: Any) -> Path:
-    """Compile ``hf_dir`` into ``out_dir``; ``settings`` as for ``compile_hf_model``.
+def compile_model(hf_dir: str | Path, out_dir: str | Path, settings: CompileSettings) -> Path:
+    """Compile ``hf_dir`` into ``out_dir`` with ``settings`` (``max_seq_len`` filled from the
+    model when unset).
 
     Raises :class:`~rbln_ray.compile.zoo.UnsupportedModelError` for an architecture rbln-ray
     does not serve (before loading any weights) and :class:`CompileConfigError` when
@@ -35,11 +36,12 @@ def compile_model(hf_dir: str | Path, out_dir: str | Path, **settings: Any) -> P
     hf_dir = Path(hf_dir)
     family = family_for_dir(hf_dir)
     hf_config = json.loads((hf_dir / "config.json").read_text())
+    settings = settings.with_max_seq_len(hf_config)
     for caveat in family.caveats(hf_config):
         logger.warning("%s (%s): %s", hf_dir, family.architecture, caveat)
     rbln_extra, hf_kwargs = family.compile_options(hf_config, settings)
     try:
-        return compile_hf_model(hf_dir, out_dir, hf_kwargs=hf_kwargs, **{**settings, **rbln_extra})
+        return compile_hf_model(hf_dir, out_dir, settings, extra=rbln_extra, hf_kwargs=hf_kwargs)
     except (ValueError, NotImplementedError) as exc:
         # optimum-rbln validates its config (rbln_config classes, _update_rbln_config,
         # attention and sliding-window limits) with ValueError / NotImplementedError.
@@ -47,10 +49,42 @@ def compile_model(hf_dir: str | Path, out_dir: str | Path, **settings: Any) -> P
         raise CompileConfigError(_message(family, hf_dir, settings, exc)) from None
 
 
-def _message(family: ModelFamily, hf_dir: Path, settings: dict[str, Any], exc: Exception) -> str:
-    shown = ", ".join(f"{k}={v}" for k, v in sorted(settings.items()) if v is not None)
+def _message(family: ModelFamily, hf_dir: Path, settings: CompileSettings, exc: Exception) -> str:
+    shown = ", ".join(f"{k}={v}" for k, v in sorted(settings.as_dict().items()) if v is not None)
     return (
         f"optimum-rbln cannot compile {hf_dir} ({family.architecture} via "
         f"{family.optimum_class}) with {shown or 'default settings'}: "
         f"{type(exc).__name__}: {exc}"
     )
+
+
+def compile_directory(
+    hf_dir: str | Path, out_dir: str | Path, settings: CompileSettings, *, pipeline_stages: int = 1
+) -> str:
+    """Compile any HF directory rbln-ray serves (decoder, encoder, vision-language) into
+    ``out_dir``; returns what was compiled, for messages. Raises a ``ValueError`` naming the
+    problem (an unsupported architecture before any weights load, a setting that does not
+    apply to the model's kind, or optimum-rbln's own rejection)."""
+    from rbln_ray.compile.encoders import compile_encoder, encoder_for_dir
+    from rbln_ray.compile.vision import compile_vision_language, vision_family_for_dir
+
+    encoder = encoder_for_dir(hf_dir)
+    vision = vision_family_for_dir(hf_dir)
+    if encoder is None and vision is None:
+        family_for_dir(hf_dir)  # raises naming the supported architectures
+    if pipeline_stages > 1 and (encoder is not None or vision is not None):
+        kind = encoder.architecture if encoder is not None else vision.architecture
+        raise CompileConfigError(f"{kind}: pipeline stages are served for decoders only")
+    if encoder is not None:
+        compile_encoder(hf_dir, out_dir, settings)
+        return f"{encoder.architecture} encoder (embeddings)"
+    if vision is not None:
+        compile_vision_language(hf_dir, out_dir, settings)
+        return f"{vision.architecture} (vision-language)"
+    if pipeline_stages > 1:
+        from rbln_ray.compile.pipeline_compile import compile_pipeline
+
+        compile_pipeline(hf_dir, out_dir, pipeline_stages, settings)
+        return f"{pipeline_stages}-stage pipeline"
+    compile_model(hf_dir, out_dir, settings)
+    return family_for_dir(hf_dir).architecture

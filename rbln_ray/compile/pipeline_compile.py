@@ -21,8 +21,9 @@ from typing import Any
 
 from rbln_ray.common.dtypes import torch_dtype
 from rbln_ray.compile.pipeline_manifest import PipelineManifest, StageSpec, split_layers
-from rbln_ray.compile.settings import rbln_kwargs
+from rbln_ray.compile.settings import CompileSettings
 from rbln_ray.compile.zoo import family_for_dir
+from rbln_ray.upstream import optimum_internals, torch_internals
 
 logger = logging.getLogger(__name__)
 
@@ -85,23 +86,24 @@ def compile_pipeline(
     hf_dir: str | Path,
     out_dir: str | Path,
     stages: int,
-    batch_size: int,
-    max_seq_len: int,
+    settings: CompileSettings,
     *,
-    attn_impl: str = "eager",
-    kvcache_partition_len: int | None = None,
-    decoder_batch_sizes: list[int] | tuple[int, ...] | None = None,
-    num_devices: int = 1,
     micro_batches: int | None = None,
 ) -> Path:
     """Compile ``hf_dir`` into ``stages`` stage directories under ``out_dir`` plus a manifest.
 
-    ``num_devices`` is per stage (each stage a shard group of that many ATOMs). Returns
-    ``out_dir``. ``batch_size`` is one micro-batch (the compiled decode graph's rows); the KV
-    cache holds ``micro_batches`` (default: ``stages``) of them at full length, so vLLM's
-    pipeline batch queue keeps one micro-batch in every stage. The block count is fixed, so
-    every stage has the same and one block table drives all of them.
+    ``settings.num_devices`` is per stage (each stage a shard group of that many ATOMs).
+    Returns ``out_dir``. ``settings.batch_size`` is one micro-batch (the compiled decode
+    graph's rows); the KV cache holds ``micro_batches`` (default: ``stages``) of them at full
+    length, so vLLM's pipeline batch queue keeps one micro-batch in every stage. The block
+    count is fixed, so every stage has the same and one block table drives all of them (a
+    ``kvcache_num_blocks`` setting is refused).
     """
+    if settings.kvcache_num_blocks is not None:
+        raise ValueError(
+            "kvcache_num_blocks cannot be combined with pipeline stages (every stage is "
+            "compiled with full KV capacity)"
+        )
     import torch
 
     from rbln_ray.emulator import require_runtime
@@ -123,24 +125,20 @@ def compile_pipeline(
     text_config = model.config.get_text_config()
     num_layers = text_config.num_hidden_layers
     ranges = split_layers(num_layers, stages, head_layers=_lm_head_in_layers(text_config))
+    settings = settings.with_max_seq_len(text_config.to_dict())
 
     cls = getattr(orb, f"RBLN{arch}")
     micro_batches = stages if micro_batches is None else micro_batches
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, not {micro_batches}")
     # eager attention: one KV block is a whole sequence
-    blocks_per_seq = 1 if kvcache_partition_len is None else max_seq_len // kvcache_partition_len
-    kwargs = rbln_kwargs(
-        batch_size=batch_size,
-        max_seq_len=max_seq_len,
-        attn_impl=attn_impl,
-        kvcache_partition_len=kvcache_partition_len,
-        num_devices=num_devices,
-        decoder_batch_sizes=(
-            sorted(set(decoder_batch_sizes), reverse=True) if decoder_batch_sizes else None
-        ),
+    partition = settings.kvcache_partition_len
+    blocks_per_seq = 1 if partition is None else settings.max_seq_len // partition
+    sizes = settings.decoder_batch_sizes
+    kwargs = settings.rbln_kwargs(
+        decoder_batch_sizes=sorted(set(sizes), reverse=True) if sizes else None,
         # Full capacity for every micro-batch, fixed: an automatic count could differ by stage.
-        kvcache_num_blocks=micro_batches * batch_size * blocks_per_seq,
+        kvcache_num_blocks=micro_batches * settings.batch_size * blocks_per_seq,
     )
     rbln_config, unused = cls.prepare_rbln_config(rbln_config=None, **kwargs)
     if unused:
@@ -150,7 +148,7 @@ def compile_pipeline(
     )
     if rbln_config.use_attention_mask or rbln_config.sliding_window_layers:
         raise NotImplementedError("pipeline stages support causal attention without masks only")
-    wrapper = cls._wrap_model_if_needed(model, rbln_config)
+    wrapper = optimum_internals.compile_wrapper(cls, model, rbln_config)
     normalize_contiguous_(wrapper)
     compile_cfgs = rbln_config.compile_cfgs  # [prefill, decoder_batch_<b>...]
     dec_sizes = list(rbln_config.decoder_batch_sizes)
@@ -159,10 +157,8 @@ def compile_pipeline(
 
     out.mkdir(parents=True, exist_ok=True)
     specs: list[StageSpec] = []
-    original_linear = torch.nn.functional.linear
-    try:
-        # optimum's own compile swap: linear layers become the RBLN custom op in the graph.
-        torch.nn.functional.linear = torch.ops.rbln_custom_ops.linear
+    # optimum's own compile swap: linear layers become the RBLN custom op in the graph.
+    with torch_internals.rbln_linear_while_compiling():
         for index, (start, end) in enumerate(ranges):
             first, last = index == 0, index == stages - 1
             kv_names = tuple(
@@ -175,7 +171,7 @@ def compile_pipeline(
                 has_embedding=first,
                 has_lm_head=last,
                 subdir=f"stage_{index}",
-                num_devices=num_devices,
+                num_devices=settings.num_devices,
                 kv_names=kv_names,
             )
             graph = StageGraph(wrapper, start, end, first=first, last=last).eval()
@@ -199,13 +195,11 @@ def compile_pipeline(
                         npu=rbln_config.npu,
                         example_inputs=examples,
                         compile_context=context,
-                        **{compiler_num_devices_kwarg(): num_devices},
+                        **{compiler_num_devices_kwarg(): settings.num_devices},
                     )
                 compiled.save(stage_dir / f"{name}.rbln")
             specs.append(StageSpec(**{**spec.__dict__, "input_names": input_names}))
             logger.info("stage %d: layers [%d, %d) compiled", index, start, end)
-    finally:
-        torch.nn.functional.linear = original_linear
 
     manifest = PipelineManifest(
         architecture=arch,

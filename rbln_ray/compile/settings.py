@@ -1,88 +1,110 @@
-"""Compile settings: the typed form users give (CLI, Serve config, ``additional_config``) and
-the one mapping onto optimum-rbln's ``rbln_*`` keyword arguments.
+"""Compile settings: the one typed declaration of how an HF directory is compiled, and the one
+mapping onto optimum-rbln's ``rbln_*`` keyword arguments.
 
-Why one mapping: the single-graph compile (:mod:`.optimum_compile`) and the pipeline compile
-(:mod:`.pipeline_compile`) must spell every option the same way optimum does, and leave
-optimum's own default in force when a setting is not given.
+Why one class: ``rbln-ray compile``'s flags are generated from its fields
+(:func:`rbln_ray.cli.compile_flags.add_compile_flags`), the Serve config holds it typed
+(``models[].compile``), engine options carry it (``additional_config["rbln_compile"]``) and
+every compile path takes it; each default therefore lives here once, and a setting that is
+not given leaves optimum's own default in force (the key is left out of the ``rbln_*``
+arguments).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# max_seq_len when neither the user nor the artifact says: the model's context, capped here
+DEFAULT_MAX_SEQ_LEN_CAP = 4096
 
 
-def rbln_kwargs(
-    *,
-    batch_size: int,
-    max_seq_len: int,
-    attn_impl: str = "eager",
-    kvcache_partition_len: int | None = None,
-    num_devices: int = 1,
-    decoder_batch_sizes: list[int] | tuple[int, ...] | None = None,
-    use_attention_mask: bool = False,
-    create_runtimes: bool = False,
-    **extra: Any,
-) -> dict[str, Any]:
-    """optimum-rbln's ``from_pretrained`` / ``prepare_rbln_config`` keyword arguments.
-
-    ``None`` means optimum's default (the key is left out); ``extra`` keys are passed as
-    ``rbln_<name>`` (e.g. ``kvcache_num_blocks=8``).
-    """
-    kwargs: dict[str, Any] = {
-        "rbln_batch_size": batch_size,
-        "rbln_max_seq_len": max_seq_len,
-        "rbln_attn_impl": attn_impl,
-        "rbln_num_devices": num_devices,
-        "rbln_use_attention_mask": use_attention_mask,
-        "rbln_create_runtimes": create_runtimes,
-    }
-    if kvcache_partition_len is not None:
-        kwargs["rbln_kvcache_partition_len"] = kvcache_partition_len
-    if decoder_batch_sizes is not None:
-        kwargs["rbln_decoder_batch_sizes"] = list(decoder_batch_sizes)
-    kwargs.update({f"rbln_{k}": v for k, v in extra.items() if v is not None})
-    return kwargs
+class CompileSettingsError(ValueError):
+    """A compile setting is unknown or has an invalid value (the message names it)."""
 
 
-@dataclass(frozen=True)
-class CompileSettings:
-    """How an HF directory is compiled when no compiled artifact is given."""
+class CompileSettings(BaseModel):
+    """How an HF directory is compiled (decoders; encoders and vision-language models take
+    the fields that apply to them, see :mod:`rbln_ray.compile.family_compile`)."""
 
-    batch_size: int = 4
-    max_seq_len: int | None = None  # default: the model's max_position_embeddings (≤ 4096)
-    attn_impl: str = "eager"
-    kvcache_partition_len: int | None = None
-    num_devices: int = 1
-    use_attention_mask: bool = False
-    decoder_batch_sizes: tuple[int, ...] | None = None  # default: optimum's ([batch_size])
-    # default: optimum's (eager: one block per sequence; flash: as many as DRAM holds)
-    kvcache_num_blocks: int | None = None
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    def __post_init__(self) -> None:
-        if self.attn_impl not in ("eager", "flash_attn"):
-            raise ValueError(f"attn_impl must be 'eager' or 'flash_attn', not {self.attn_impl!r}")
-        if self.batch_size < 1 or self.num_devices < 1:
-            raise ValueError("batch_size and num_devices must be >= 1")
+    batch_size: int = Field(4, ge=1, description="sequences one compiled decode step runs")
+    max_seq_len: int | None = Field(
+        None,
+        ge=1,
+        description="tokens per sequence (default: the model's max_position_embeddings, "
+        f"at most {DEFAULT_MAX_SEQ_LEN_CAP})",
+    )
+    attn_impl: Literal["eager", "flash_attn"] = Field(
+        "eager", description="eager: one KV block per sequence; flash_attn: paged partitions"
+    )
+    kvcache_partition_len: int | None = Field(
+        None, ge=1, description="flash_attn: tokens per KV partition (default: optimum's)"
+    )
+    num_devices: int = Field(1, ge=1, description="RBLN devices one compiled model spans")
+    use_attention_mask: bool = Field(
+        False, description="compile graphs that take an attention mask"
+    )
+    decoder_batch_sizes: tuple[int, ...] | None = Field(
+        None,
+        description="compiled decode batches, e.g. 4,2,1 (default: optimum's: batch_size)",
+    )
+    kvcache_num_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="compiled KV blocks (default: optimum's; blocks beyond batch x "
+        "sequences keep more prefixes cached)",
+    )
+
+    @field_validator("decoder_batch_sizes", mode="before")
+    @classmethod
+    def _sizes(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(int(s) for s in value.split(",") if s.strip())
+        return value
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None) -> CompileSettings:
+    def from_dict(cls, raw: dict[str, Any] | CompileSettings | None) -> CompileSettings:
+        """Validated settings from a plain dict (config files, ``additional_config``)."""
+        if isinstance(raw, CompileSettings):
+            return raw
         raw = dict(raw or {})
-        unknown = set(raw) - set(cls.__dataclass_fields__)
+        unknown = sorted(set(raw) - set(cls.model_fields))
         if unknown:
-            raise ValueError(
-                f"unknown RBLN compile settings {sorted(unknown)}; "
-                f"known: {sorted(cls.__dataclass_fields__)}"
+            raise CompileSettingsError(
+                f"unknown RBLN compile settings {unknown}; known: {sorted(cls.model_fields)}"
             )
-        if raw.get("decoder_batch_sizes") is not None:
-            raw["decoder_batch_sizes"] = tuple(raw["decoder_batch_sizes"])
-        return cls(**raw)
+        try:
+            return cls(**raw)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+            )
+            raise CompileSettingsError(f"invalid RBLN compile settings: {problems}") from None
 
     def with_max_seq_len(self, hf_config: dict[str, Any]) -> CompileSettings:
-        """These settings with ``max_seq_len`` filled from the model (capped at 4096)."""
+        """These settings with ``max_seq_len`` filled from the model (capped)."""
         if self.max_seq_len is not None:
             return self
-        return replace(self, max_seq_len=min(hf_config.get("max_position_embeddings", 4096), 4096))
+        context = hf_config.get("max_position_embeddings", DEFAULT_MAX_SEQ_LEN_CAP)
+        return self.model_copy(update={"max_seq_len": min(context, DEFAULT_MAX_SEQ_LEN_CAP)})
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return self.model_dump()
+
+    def rbln_config(self, **extra: Any) -> dict[str, Any]:
+        """optimum's ``rbln_config`` entries (unprefixed) for these settings plus ``extra``;
+        a setting left at None is left out, so optimum's default applies."""
+        if self.max_seq_len is None:
+            raise CompileSettingsError("max_seq_len is not set (see with_max_seq_len)")
+        values = {**self.model_dump(), **extra}
+        if values.get("decoder_batch_sizes") is not None:
+            values["decoder_batch_sizes"] = list(values["decoder_batch_sizes"])
+        return {k: v for k, v in values.items() if v is not None}
+
+    def rbln_kwargs(self, **extra: Any) -> dict[str, Any]:
+        """optimum-rbln's ``from_pretrained`` / ``prepare_rbln_config`` keyword arguments
+        (``rbln_<name>``); runtimes are not created, so compiling needs no free device."""
+        config = {"create_runtimes": False, **self.rbln_config(**extra)}
+        return {f"rbln_{k}": v for k, v in config.items()}

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rbln_ray.common.artifact_files import RBLN_CONFIG, architectures
-from rbln_ray.compile.settings import rbln_kwargs
+from rbln_ray.compile.settings import CompileSettings
 
 logger = logging.getLogger(__name__)
 
@@ -126,14 +126,13 @@ def image_processor_settings(model_dir: str | Path) -> dict[str, Any]:
 
 
 def compile_vision_language(
-    hf_dir: str | Path, out_dir: str | Path, *, batch_size: int, max_seq_len: int, **settings: Any
+    hf_dir: str | Path, out_dir: str | Path, settings: CompileSettings
 ) -> Path:
     """Compile ``hf_dir`` with its optimum-rbln class; returns ``out_dir``.
 
-    The compile settings (those of :class:`~rbln_ray.compile.settings.CompileSettings`) are
-    the language model's: batch, length, attention, KV blocks. It is compiled with
-    ``use_inputs_embeds``, as optimum-rbln requires for every vision-language model; the
-    vision tower with optimum's defaults (one image per call), and for Qwen2-VL with the
+    The compile settings are the language model's: batch, length, attention, KV blocks. It
+    is compiled with ``use_inputs_embeds``, as optimum-rbln requires for every vision-language
+    model; the vision tower with optimum's defaults (one image per call), and for Qwen2-VL with the
     sequence length of the largest image its processor produces (:func:`vision_max_patches`;
     optimum-rbln has no default for it).
     """
@@ -145,10 +144,9 @@ def compile_vision_language(
     require_runtime("compile a model")
     import optimum.rbln
 
-    kwargs = rbln_kwargs(batch_size=batch_size, max_seq_len=max_seq_len, **settings)
-    kwargs.pop("rbln_create_runtimes")
-    language = {key.removeprefix("rbln_"): value for key, value in kwargs.items()}
-    language["use_inputs_embeds"] = True
+    hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
+    text_config = hf_config.get("text_config") or hf_config
+    language = settings.with_max_seq_len(text_config).rbln_config(use_inputs_embeds=True)
     logger.info("compiling %s %s -> %s (language model %s)", family.name, hf_dir, out_dir, language)
     if family.language_submodule:
         rbln_config: dict[str, Any] = {family.language_submodule: language}

@@ -60,10 +60,10 @@ class ModelFamily:
         return self.optimum_class + "Config"
 
     def compile_options(
-        self, hf_config: Mapping[str, Any], rbln: Mapping[str, Any]
+        self, hf_config: Mapping[str, Any], settings: Any
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(extra ``rbln_*`` options, extra Hugging Face loading options) this family is
-        compiled with, given its ``config.json`` and the requested ``rbln`` options.
+        """(extra ``rbln_config`` entries, extra Hugging Face loading options) this family is
+        compiled with, given its ``config.json`` and the requested ``CompileSettings``.
 
         - gemma3: optimum-rbln 0.12 forces ``use_attention_mask`` and ``use_position_ids``
           on for Gemma3, and without an ``image_prefill`` phase that makes its attention ops
@@ -76,7 +76,7 @@ class ModelFamily:
           tiny test model, whose transformers reference runs in float32).
         """
         if self.name == "gemma3":
-            chunk = rbln.get("prefill_chunk_size") or 256  # RBLNGemma3ForCausalLMConfig's
+            chunk = 256  # RBLNGemma3ForCausalLMConfig's prefill_chunk_size
             return {
                 "phases": ["prefill", "image_prefill", "decode"],
                 "image_prefill_chunk_size": chunk,

@@ -11,10 +11,10 @@ What it does:
 * reserves one placement-group bundle ``{"RBLN": num_devices, "CPU": 1}`` per worker, where
   ``num_devices`` is the compiled artifact's (a shard group runs in one process); reuses
   ``parallel_config.placement_group`` or the caller's current placement group when set (a Serve
-  replica); waits at most ``additional_config["rbln_placement_timeout_s"]`` (default 60 s) and
-  otherwise fails naming what was asked and what the cluster has; the strategy is
-  ``additional_config["rbln_placement_strategy"]`` (``PACK`` default, ``SPREAD``,
-  ``STRICT_PACK``, ``STRICT_SPREAD``);
+  replica); waits at most ``additional_config["rbln_placement_timeout_s"]`` and otherwise
+  fails naming what was asked and what the cluster has; the strategy is
+  ``additional_config["rbln_placement_strategy"]`` (defaults and choices:
+  :class:`~rbln_ray.vllm_plugin.options.PlacementSettings`);
 * starts one actor per bundle running ``RBLNWorker``; Ray sets ``RBLN_DEVICES`` for it and the
   worker opens its devices as indices into that list (``local_rank=0``);
 * fails fast: a dead actor makes in-flight steps raise and fires vLLM's failure callback;
@@ -22,8 +22,8 @@ What it does:
   actors are gone, so the devices are immediately free for a new engine.
 
 **Compiled-artifact location rule.** Workers load the compiled model from the path in the
-engine config (``additional_config["rbln_compiled_dir"]``, i.e. the ``model`` directory or the
-compile cache entry), on whatever node Ray placed them. That directory must therefore exist at
+engine config (``EngineDecisions.compiled_dir``, i.e. the ``model`` directory or the compile
+cache entry), on whatever node Ray placed them. That directory must therefore exist at
 the same absolute path on every node that has RBLN devices (a shared filesystem, or the same
 copy on each host), or be shipped to the workers with ``parallel_config.ray_runtime_env`` and
 referenced by the path it gets there. The executor does not copy artifacts.

@@ -11,7 +11,7 @@ that one.
 Resolution order in the engine core (``connect``):
 
 1. Ray already initialised in this process (in-process engine core, or a Serve replica): use it.
-2. ``additional_config["rbln_ray_address"]``: recorded by the driver.
+2. the driver's cluster, recorded by the driver (``EngineDecisions.ray_address``).
 3. ``RAY_ADDRESS``: set by the user, or exported by vLLM when the driver is a Ray actor.
 4. ``ray.init()``'s own discovery: a cluster started with ``ray start`` on this machine, else a
    new local Ray instance (a single-machine deployment needs no cluster set up first).
@@ -24,7 +24,7 @@ import os
 from typing import TYPE_CHECKING
 
 from rbln_ray.common import envs
-from rbln_ray.vllm_plugin.options import RBLNOptions
+from rbln_ray.vllm_plugin.options import engine_decisions
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -39,17 +39,17 @@ def connect(vllm_config: VllmConfig) -> None:
     """Connect this process to the cluster (see the module docstring for the order)."""
     import ray
 
-    options = RBLNOptions.from_vllm_config(vllm_config)
+    decided = engine_decisions(vllm_config)
     if ray.is_initialized():
-        driver_pid = options.driver_pid
-        if driver_pid is not None and driver_pid != os.getpid() and options.ray_address:
+        driver_pid = decided.driver_pid
+        if driver_pid is not None and driver_pid != os.getpid() and decided.ray_address:
             raise RuntimeError(
                 f"this engine process ({os.getpid()}) was forked from the Ray driver "
                 f"({driver_pid}) and inherited its unusable Ray client; set "
                 "VLLM_WORKER_MULTIPROC_METHOD=spawn"
             )
         return
-    address = options.ray_address or os.environ.get("RAY_ADDRESS")
+    address = decided.ray_address or os.environ.get("RAY_ADDRESS")
     runtime_env = vllm_config.parallel_config.ray_runtime_env
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     logger.info("connecting to Ray at %s", address or "<auto-detected or new local instance>")

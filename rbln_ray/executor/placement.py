@@ -9,10 +9,10 @@ was asked and what the cluster has, instead of hanging the engine start.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rbln_ray.vllm_plugin.options import TIMEOUT_KEY, RBLNOptions
+from rbln_ray.vllm_plugin.options import PREFIX, PlacementSettings, engine_options
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -44,18 +44,20 @@ class PlacementPlan:
 
     num_workers: int
     devices_per_worker: int
-    strategy: str = RBLNOptions.placement_strategy
-    timeout_s: float = RBLNOptions.placement_timeout_s
+    settings: PlacementSettings = field(default_factory=PlacementSettings)
+
+    @property
+    def strategy(self) -> str:
+        return self.settings.placement_strategy
+
+    @property
+    def timeout_s(self) -> float:
+        return self.settings.placement_timeout_s
 
     @classmethod
     def from_config(cls, vllm_config: VllmConfig, devices_per_worker: int) -> PlacementPlan:
-        options = RBLNOptions.from_vllm_config(vllm_config)
-        return cls(
-            num_workers(vllm_config),
-            devices_per_worker,
-            options.placement_strategy,
-            options.placement_timeout_s,
-        )
+        settings = engine_options(vllm_config).placement()
+        return cls(num_workers(vllm_config), devices_per_worker, settings)
 
     def bundles(self) -> list[dict[str, float]]:
         return [
@@ -134,6 +136,6 @@ def acquire(existing: PlacementGroup | None, plan: PlacementPlan) -> tuple[Any, 
         remove_placement_group(pg)
         raise PlacementError(
             f"could not place {plan.describe()} within {plan.timeout_s:g} s "
-            f"({TIMEOUT_KEY}); {cluster_summary()}"
+            f"({PREFIX}placement_timeout_s); {cluster_summary()}"
         )
     return pg, list(range(plan.num_workers)), True

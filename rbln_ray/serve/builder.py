@@ -14,7 +14,6 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from rbln_ray.compile import CompileSettings
 from rbln_ray.compile.artifact import CompiledArtifact, is_compiled_dir, load_artifact
 from rbln_ray.compile.encoders import EncoderArtifact
 from rbln_ray.serve.capacity import ReplicaShape, wait_placeable
@@ -60,13 +59,13 @@ def worker_layout(cfg: ModelDeploymentConfig) -> tuple[int, int]:
             f"model {cfg.name}: pipeline_stages={cfg.pipeline_stages} needs a staged artifact; "
             "compile one with `rbln-ray compile HF_DIR OUT --pipeline-stages S` and serve OUT"
         )
-    return 1, cfg.devices_per_worker or CompileSettings.from_dict(cfg.compile).num_devices
+    return 1, cfg.devices_per_worker or cfg.compile.num_devices
 
 
 def compiled_batch_size(cfg: ModelDeploymentConfig) -> int:
     """Decode slots of one engine: the artifact's batch, or the batch it will be compiled with."""
     art = served_artifact(cfg)
-    return art.batch_size if art is not None else CompileSettings.from_dict(cfg.compile).batch_size
+    return art.batch_size if art is not None else cfg.compile.batch_size
 
 
 def compiled_max_seq_len(cfg: ModelDeploymentConfig) -> int | None:
@@ -75,7 +74,7 @@ def compiled_max_seq_len(cfg: ModelDeploymentConfig) -> int | None:
     art = served_artifact(cfg)
     if art is not None:
         return art.max_seq_len
-    return CompileSettings.from_dict(cfg.compile).max_seq_len
+    return cfg.compile.max_seq_len
 
 
 def accepts_images(cfg: ModelDeploymentConfig) -> bool:

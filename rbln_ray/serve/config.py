@@ -28,8 +28,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rbln_ray.compile.settings import CompileSettings
+from rbln_ray.vllm_plugin.options import PlacementSettings
+
 DEMO_MODEL = "demo"
-PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 
 class _Strict(BaseModel):
@@ -75,18 +77,21 @@ class IngressConfig(_Strict):
     graceful_shutdown_timeout_s: float = Field(default=600, gt=0)
 
 
-class ModelDeploymentConfig(_Strict):
-    """One served model: where it comes from and how many devices/replicas it gets."""
+class ModelDeploymentConfig(PlacementSettings):
+    """One served model: where it comes from, how it is compiled when it is an HF directory,
+    and how many devices/replicas it gets (``placement_strategy`` / ``placement_timeout_s``:
+    :class:`~rbln_ray.vllm_plugin.options.PlacementSettings`, shared with the engine
+    options)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False)
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._:/-]+$")
     model: str = Field(description='"demo", a compiled optimum-rbln dir, or an HF model dir')
-    compile: dict[str, Any] = Field(default_factory=dict)
+    compile: CompileSettings = Field(default_factory=CompileSettings)
     num_replicas: int | None = Field(default=None, ge=1)
     autoscaling_config: dict[str, Any] | None = None
     pipeline_stages: int = Field(default=1, ge=1)
     devices_per_worker: int | None = Field(default=None, ge=1)
-    placement_strategy: PlacementStrategy = "PACK"
-    placement_timeout_s: float = Field(default=120.0, gt=0)
     # Default: 2 x the compiled batch (see builder.replica_max_ongoing).
     max_ongoing_requests: int | None = Field(default=None, ge=1)
     # Requests waiting for a replica beyond this get 429 instead of queueing without bound.
@@ -111,13 +116,10 @@ class ModelDeploymentConfig(_Strict):
             raise ValueError(f"model directory {value!r} does not exist")
         return value
 
-    @field_validator("compile")
+    @field_validator("compile", mode="before")
     @classmethod
-    def _compile_settings(cls, value: dict[str, Any]) -> dict[str, Any]:
-        from rbln_ray.compile import CompileSettings
-
-        CompileSettings.from_dict(value)  # raises naming unknown or invalid settings
-        return value
+    def _compile_settings(cls, value: Any) -> CompileSettings:
+        return CompileSettings.from_dict(value)  # raises naming unknown or invalid settings
 
 
 class AppConfig(_Strict):

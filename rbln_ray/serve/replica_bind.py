@@ -1,9 +1,10 @@
 """In single-host mode, the one Serve socket no public option moves: onto 127.0.0.1.
 
-Why an internal: Ray Serve 2.60 starts, in every replica, a gRPC server for
-inter-deployment calls bound to ``[::]:0`` (``ray/serve/_private/replica.py``,
-``Replica._on_initialized``: ``add_port_to_grpc_server(self._server, "[::]:0")``); no
-option or environment variable changes the address. In rbln-ray's single-host mode
+Why an internal (reached through :mod:`rbln_ray.upstream.ray_internals`): Ray Serve 2.60
+starts, in every replica, a gRPC server for inter-deployment calls bound to ``[::]:0``
+(``ray/serve/_private/replica.py``, ``Replica._on_initialized``:
+``add_port_to_grpc_server(self._server, "[::]:0")``); no option or environment variable
+changes the address. In rbln-ray's single-host mode
 (:mod:`rbln_ray.serve.local_ray`) every other Ray socket follows the node IP 127.0.0.1, so this
 one alone would listen on all interfaces (guarded only by Ray's token authentication, which
 is on only when a token exists). The replica runs its deployment's constructor before it
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 from rbln_ray.serve.local_ray import LOOPBACK, SINGLE_HOST_ENV
 
@@ -43,18 +43,9 @@ def bind_replica_grpc_to_loopback() -> bool:
             SUPPORTED_RAY,
         )
         return False
-    from ray.serve._private import replica as serve_replica  # internal: see module docstring
+    from rbln_ray.upstream.ray_internals import rewrite_replica_grpc_bind
 
-    original = getattr(serve_replica, "add_port_to_grpc_server", None)
-    if original is None:
+    if not rewrite_replica_grpc_bind(lambda a: f"{LOOPBACK}:0" if a == WILDCARD else a):
         logger.warning("Serve's replica module has no add_port_to_grpc_server; left as is")
         return False
-    if getattr(original, "rbln_ray_loopback", False):
-        return True
-
-    def add_port_to_grpc_server(server: Any, address: str) -> int:
-        return original(server, f"{LOOPBACK}:0" if address == WILDCARD else address)
-
-    add_port_to_grpc_server.rbln_ray_loopback = True  # type: ignore[attr-defined]
-    serve_replica.add_port_to_grpc_server = add_port_to_grpc_server
     return True

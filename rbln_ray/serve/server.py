@@ -43,7 +43,7 @@ def engine_namespace(cfg: ModelDeploymentConfig, model_path: str):
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from rbln_ray.vllm_plugin.options import COMPILE_KEY, STRATEGY_KEY, TIMEOUT_KEY
+    from rbln_ray.vllm_plugin.options import PREFIX
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(
         ["--model", model_path, "--served-model-name", cfg.name]
@@ -58,11 +58,11 @@ def engine_namespace(cfg: ModelDeploymentConfig, model_path: str):
         args.fingerprint_mode = "custom"
         args.fingerprint_value = deployment_fingerprint(cfg, model_path)
     args.distributed_executor_backend = "rbln_ray.executor.RBLNRayExecutor"
+    placement = cfg.placement().model_dump()
     args.additional_config = {
         **(args.additional_config or {}),
-        COMPILE_KEY: cfg.compile,
-        STRATEGY_KEY: cfg.placement_strategy,
-        TIMEOUT_KEY: cfg.placement_timeout_s,
+        PREFIX + "compile": cfg.compile.as_dict(),
+        **{PREFIX + name: value for name, value in placement.items()},
     }
     return args
 

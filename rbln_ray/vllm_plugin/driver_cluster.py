@@ -14,12 +14,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from rbln_ray.vllm_plugin.options import (
-    DRIVER_PID_KEY,
-    RAY_ADDRESS_KEY,
-    RBLNOptions,
-    record,
-)
+from rbln_ray.vllm_plugin.options import decide, engine_decisions
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -39,10 +34,9 @@ def remember_driver_cluster(vllm_config: VllmConfig) -> None:
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return
-    if RBLNOptions.from_vllm_config(vllm_config).ray_address is None:
+    if engine_decisions(vllm_config).ray_address is None:
         address = ray.get_runtime_context().gcs_address
-        record(vllm_config, RAY_ADDRESS_KEY, address)
-        record(vllm_config, DRIVER_PID_KEY, os.getpid())
+        decide(vllm_config, ray_address=address, driver_pid=os.getpid())
         logger.info("RBLN Ray executor will use the driver's cluster %s", address)
     if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "spawn":
         logger.info("VLLM_WORKER_MULTIPROC_METHOD=spawn: this driver is connected to Ray")

@@ -41,6 +41,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from rbln_ray.compile.artifact import CompiledArtifact
+from rbln_ray.upstream import vllm_internals
 from rbln_ray.vllm_plugin.image_inputs import PromptEmbedder, prompt_embedder
 from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK, BlockLayout, KVCopy, KVStepPlan
 
@@ -578,11 +579,5 @@ class RBLNModelRunner:
 
     def _append_token(self, req_id: str, token: int) -> None:
         """Record a sampled token where vLLM's sampler state (penalties, min_tokens) sees it."""
-        batch = self.input_batch
-        state = self.requests[req_id]
-        state.output_token_ids.append(token)  # same list object the logits processors hold
-        index = batch.req_id_to_index[req_id]
-        end = batch.num_tokens_no_spec[index]
-        batch.token_ids_cpu[index, end] = token
-        batch.is_token_ids[index, end] = True
-        batch.num_tokens_no_spec[index] = end + 1
+        self.requests[req_id].output_token_ids.append(token)  # the logits processors' list
+        vllm_internals.record_sampled_token(self.input_batch, req_id, token)

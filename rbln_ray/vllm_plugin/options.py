@@ -1,12 +1,17 @@
-"""rbln-ray's engine options, read once from vLLM's ``additional_config`` into typed values.
+"""rbln-ray's engine options (read once from vLLM's ``additional_config``) and the decisions
+the driver hands the engine's other processes.
 
 Why ``additional_config``: it is vLLM's public, serialised place for platform-specific engine
 settings; it reaches the engine-core process and every worker with the rest of the config
 (``LLM(..., additional_config={...})``, ``vllm serve --additional-config '{...}'``, a Serve
-model's ``engine_kwargs: {additional_config: {...}}``). Every key is declared here, parsed and
-validated by :meth:`RBLNOptions.from_vllm_config`; an unknown ``rbln_*`` key is an error (a
-typo must not be silently ignored). Two keys are written by rbln-ray itself, through
-:func:`record`, so that the spawned engine core sees what the driver decided.
+model's ``engine_kwargs: {additional_config: {...}}``). Every option is a field of
+:class:`RBLNOptions`, spelled ``rbln_<field>`` in ``additional_config``; an unknown ``rbln_*``
+key is an error (a typo must not be silently ignored).
+
+The platform's config hook replaces the user's dict by :class:`RBLNAdditionalConfig` (vLLM
+accepts any object with ``compute_hash`` there): the user's keys untouched, the options
+parsed once, and :class:`EngineDecisions`, what the driver decided (the compiled artifact in
+use, its Ray cluster) for the engine core and the workers, in a typed field of its own.
 
 =====================================  ==========  ===========================================
 key                                    default     meaning
@@ -19,111 +24,152 @@ key                                    default     meaning
                                                    (chunked prefill): each decode step is then
                                                    delayed by at most one chunk. Larger values
                                                    slow fewer decode steps but delay the long
-                                                   prompt's first token (measured: 2,048
-                                                   tokens on a modelled ATOM, 2.8 s at 1,
-                                                   5.0 s at 3); 0 runs its chunks back to back
+                                                   prompt's first token (BENCHMARKS.md,
+                                                   "Chunked prefill"); 0 runs its chunks back
+                                                   to back
 ``rbln_placement_strategy``            PACK        Ray placement strategy of the workers
                                                    (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)
-``rbln_placement_timeout_s``           60          seconds to wait for the workers' devices
-``rbln_compiled_dir``                  (written)   the compiled artifact in use
-``rbln_ray_address``                   (written)   the driver's Ray cluster (GCS address)
-``rbln_ray_driver_pid``                (written)   the driver process connected to it
+``rbln_placement_timeout_s``           120         seconds to wait for the workers' devices
 =====================================  ==========  ===========================================
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import hashlib
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
 from rbln_ray.compile.settings import CompileSettings
 
-COMPILE_KEY = "rbln_compile"
-DECODE_STEPS_KEY = "rbln_decode_steps_between_chunks"
-STRATEGY_KEY = "rbln_placement_strategy"
-TIMEOUT_KEY = "rbln_placement_timeout_s"
-COMPILED_DIR_KEY = "rbln_compiled_dir"
-RAY_ADDRESS_KEY = "rbln_ray_address"
-DRIVER_PID_KEY = "rbln_ray_driver_pid"
-WRITTEN_KEYS = (COMPILED_DIR_KEY, RAY_ADDRESS_KEY, DRIVER_PID_KEY)
-KEYS = (COMPILE_KEY, DECODE_STEPS_KEY, STRATEGY_KEY, TIMEOUT_KEY, *WRITTEN_KEYS)
-STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+PREFIX = "rbln_"
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 
 class RBLNOptionError(ValueError):
     """An rbln-ray option in ``additional_config`` is unknown or has an invalid value."""
 
 
-def _extra(vllm_config: Any) -> dict[str, Any]:
-    extra = vllm_config.additional_config
-    if extra is None:
-        extra = vllm_config.additional_config = {}
-    if not isinstance(extra, dict):
-        raise RBLNOptionError(
-            f"additional_config must be a dict on the RBLN platform, not {type(extra).__name__}"
+class PlacementSettings(BaseModel):
+    """Where an engine's worker actors go: declared once, for the engine options and (as the
+    same fields of each model) the Serve config."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    placement_strategy: PlacementStrategy = Field(
+        "PACK", description="Ray placement strategy of an engine's workers"
+    )
+    placement_timeout_s: float = Field(
+        120.0, gt=0, description="seconds to wait for the workers' RBLN devices"
+    )
+
+    @field_validator("placement_strategy", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+    def placement(self) -> PlacementSettings:
+        """Just the placement fields (of a subclass, e.g. a Serve model's config)."""
+        return PlacementSettings(
+            placement_strategy=self.placement_strategy,
+            placement_timeout_s=self.placement_timeout_s,
         )
-    return extra
 
 
-@dataclass(frozen=True)
-class RBLNOptions:
-    """Typed, validated rbln-ray engine options."""
+class RBLNOptions(PlacementSettings):
+    """Typed, validated rbln-ray engine options (``additional_config["rbln_<field>"]``)."""
 
-    compile: CompileSettings = field(default_factory=CompileSettings)
-    decode_steps_between_chunks: int = 1
-    placement_strategy: str = "PACK"
-    placement_timeout_s: float = 60.0
-    compiled_dir: str | None = None
-    ray_address: str | None = None
-    driver_pid: int | None = None
+    compile: CompileSettings = Field(default_factory=CompileSettings)
+    decode_steps_between_chunks: StrictInt = Field(1, ge=0)
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(PREFIX + name for name in cls.model_fields)
 
     @classmethod
     def from_additional_config(cls, extra: dict[str, Any] | None) -> RBLNOptions:
         extra = extra or {}
-        unknown = sorted(k for k in extra if k.startswith("rbln_") and k not in KEYS)
+        ours = {k: v for k, v in extra.items() if k.startswith(PREFIX)}
+        unknown = sorted(set(ours) - set(cls.keys()))
         if unknown:
-            raise RBLNOptionError(f"unknown rbln-ray options {unknown}; known: {list(KEYS)}")
-        steps = extra.get(DECODE_STEPS_KEY, cls.decode_steps_between_chunks)
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise RBLNOptionError(
-                f"additional_config[{DECODE_STEPS_KEY!r}] must be an integer >= 0, not {steps!r}"
-            )
-        strategy = str(extra.get(STRATEGY_KEY, cls.placement_strategy)).upper()
-        if strategy not in STRATEGIES:
-            raise RBLNOptionError(
-                f"additional_config[{STRATEGY_KEY!r}]={strategy!r}; expected one of {STRATEGIES}"
-            )
+            raise RBLNOptionError(f"unknown rbln-ray options {unknown}; known: {list(cls.keys())}")
+        values = {k.removeprefix(PREFIX): v for k, v in ours.items()}
         try:
-            timeout_s = float(extra.get(TIMEOUT_KEY, cls.placement_timeout_s))
-        except (TypeError, ValueError):
-            timeout_s = -1.0
-        if timeout_s <= 0:
-            raise RBLNOptionError(
-                f"additional_config[{TIMEOUT_KEY!r}] must be a number of seconds > 0, "
-                f"not {extra.get(TIMEOUT_KEY)!r}"
+            if "compile" in values:
+                values["compile"] = CompileSettings.from_dict(values["compile"])
+            return cls(**values)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"additional_config[{PREFIX + str(e['loc'][0])!r}]: {e['msg']} "
+                f"(got {e.get('input')!r})"
+                for e in exc.errors()
             )
-        try:
-            settings = CompileSettings.from_dict(extra.get(COMPILE_KEY))
-        except (TypeError, ValueError) as e:
-            raise RBLNOptionError(f"additional_config[{COMPILE_KEY!r}]: {e}") from None
-        pid = extra.get(DRIVER_PID_KEY)
-        return cls(
-            compile=settings,
-            decode_steps_between_chunks=steps,
-            placement_strategy=strategy,
-            placement_timeout_s=timeout_s,
-            compiled_dir=extra.get(COMPILED_DIR_KEY),
-            ray_address=extra.get(RAY_ADDRESS_KEY),
-            driver_pid=int(pid) if pid is not None else None,
+            raise RBLNOptionError(problems) from None
+        except ValueError as exc:  # CompileSettingsError
+            raise RBLNOptionError(f"additional_config[{PREFIX}compile]: {exc}") from None
+
+    def as_additional_config(self) -> dict[str, Any]:
+        """These options as ``additional_config`` keys (what a Serve replica passes vLLM)."""
+        return {PREFIX + name: value for name, value in self.model_dump(mode="json").items()}
+
+
+@dataclass(frozen=True)
+class EngineDecisions:
+    """What the driver decided for the engine core and the workers (never user input)."""
+
+    compiled_dir: str | None = None  # the compiled artifact in use (compiled on first use)
+    ray_address: str | None = None  # the driver's Ray cluster (GCS address)
+    driver_pid: int | None = None  # the driver process connected to it
+
+
+@dataclass
+class RBLNAdditionalConfig:
+    """vLLM's ``additional_config`` on the RBLN platform once read: the user's dict as given,
+    the options parsed from it, and the driver's decisions. vLLM hashes it through
+    :meth:`compute_hash` (the user's keys and the artifact: not the Ray address, so every
+    replica of a deployment has one config hash)."""
+
+    user: dict[str, Any]
+    options: RBLNOptions
+    decisions: EngineDecisions = field(default_factory=EngineDecisions)
+
+    def compute_hash(self) -> str:
+        text = json.dumps(self.user, sort_keys=True, default=str) + str(self.decisions.compiled_dir)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Dict-style reads of the user's keys (other vLLM code reads additional_config so)."""
+        return self.user.get(key, default)
+
+
+def _state(vllm_config: Any) -> RBLNAdditionalConfig:
+    """The engine's :class:`RBLNAdditionalConfig`, made from the user's dict on first use."""
+    extra = vllm_config.additional_config
+    if isinstance(extra, RBLNAdditionalConfig):
+        return extra
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise RBLNOptionError(
+            f"additional_config must be a dict on the RBLN platform, not {type(extra).__name__}"
         )
+    state = RBLNAdditionalConfig(user=extra, options=RBLNOptions.from_additional_config(extra))
+    vllm_config.additional_config = state
+    return state
 
-    @classmethod
-    def from_vllm_config(cls, vllm_config: Any) -> RBLNOptions:
-        return cls.from_additional_config(_extra(vllm_config))
+
+def engine_options(vllm_config: Any) -> RBLNOptions:
+    """The engine's options (parsed once; an invalid one raises :class:`RBLNOptionError`)."""
+    return _state(vllm_config).options
 
 
-def record(vllm_config: Any, key: str, value: Any) -> None:
-    """Write one of the keys rbln-ray decides in the driver (``WRITTEN_KEYS``)."""
-    if key not in WRITTEN_KEYS:
-        raise KeyError(f"{key!r} is not an option rbln-ray writes ({WRITTEN_KEYS})")
-    _extra(vllm_config)[key] = value
+def engine_decisions(vllm_config: Any) -> EngineDecisions:
+    return _state(vllm_config).decisions
+
+
+def decide(vllm_config: Any, **decisions: Any) -> None:
+    """Record driver decisions (fields of :class:`EngineDecisions`) for the other processes."""
+    state = _state(vllm_config)
+    state.decisions = replace(state.decisions, **decisions)

@@ -22,7 +22,6 @@ instead: no KV cache, vLLM's own scheduler batching whole prompts up to the comp
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from vllm.platforms.cpu import CpuPlatform
@@ -31,7 +30,7 @@ from rbln_ray.compile.artifact import CompiledArtifact, load_artifact
 from rbln_ray.compile.encoders import EncoderArtifact
 from rbln_ray.vllm_plugin.driver_cluster import remember_driver_cluster
 from rbln_ray.vllm_plugin.kv_blocks import BlockLayout
-from rbln_ray.vllm_plugin.options import COMPILED_DIR_KEY, RBLNOptions, record
+from rbln_ray.vllm_plugin.options import decide, engine_decisions, engine_options
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,22 +57,24 @@ def compiled_dir(vllm_config: VllmConfig) -> str:
     compile of an HF directory, recorded so every later call and process reuses it."""
     from rbln_ray.compile import resolve_compiled_dir
 
-    options = RBLNOptions.from_vllm_config(vllm_config)
-    compiled = options.compiled_dir
+    compiled = engine_decisions(vllm_config).compiled_dir
     if compiled is None:
         model_config = vllm_config.model_config
-        settings = options.compile
+        settings = engine_options(vllm_config).compile
         user_len = model_config.original_max_model_len
         if settings.max_seq_len is None and user_len and user_len > 0:
-            settings = replace(settings, max_seq_len=user_len)
+            settings = settings.model_copy(update={"max_seq_len": user_len})
         compiled = str(resolve_compiled_dir(model_config.model, settings))
-        record(vllm_config, COMPILED_DIR_KEY, compiled)
+        decide(vllm_config, compiled_dir=compiled)
     return compiled
 
 
 def compiled_artifact(vllm_config: VllmConfig) -> CompiledArtifact:
     """The engine's compiled decoder (see :func:`compiled_dir`)."""
-    return CompiledArtifact.load(compiled_dir(vllm_config))
+    art = load_artifact(compiled_dir(vllm_config))
+    if not isinstance(art, CompiledArtifact):
+        raise RBLNConfigError(f"{art.path} is a compiled encoder, not a decoder")
+    return art
 
 
 def compiled_model(vllm_config: VllmConfig) -> CompiledArtifact | EncoderArtifact:
@@ -345,7 +346,7 @@ class RBLNPlatform(CpuPlatform):
 
         if vllm_config.model_config is None:
             return
-        RBLNOptions.from_vllm_config(vllm_config)  # invalid options fail here, in the driver
+        engine_options(vllm_config)  # invalid options fail here, in the driver
         art = compiled_model(vllm_config)
         if isinstance(art, EncoderArtifact):
             _sync_encoder(vllm_config, art)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from rbln_ray.upstream import optimum_internals
 from rbln_ray.vllm_plugin.image_inputs import PromptEmbedder
 from rbln_ray.vllm_plugin.mrope import image_grids, mrope_positions, positions_span
 
@@ -56,7 +57,7 @@ class Qwen2VLPromptEmbedder(PromptEmbedder):
 
     def _embeddings(self, position_ids: torch.Tensor) -> torch.Tensor:
         """``[2, batch, 1, length, head_dim]`` cos/sin of ``[3, batch, length]`` positions."""
-        return self.model._get_position_embeddings(torch.zeros(1, dtype=self.dtype), position_ids)
+        return optimum_internals.qwen2_vl_position_embeddings(self.model, self.dtype, position_ids)
 
     def prefill_inputs(self, state: Any, start: int, end: int) -> dict[str, torch.Tensor]:
         prompt, delta = self.positions(state)

@@ -28,9 +28,7 @@ Sliding-window artifacts also get each request's pinned cache slot there
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Hashable, Iterator
-from contextlib import contextmanager
+from collections.abc import Hashable
 from dataclasses import dataclass, field, fields
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -38,9 +36,10 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
+from rbln_ray.upstream import vllm_internals
 from rbln_ray.vllm_plugin.kv_blocks import BlockLayout, KVStepPlan, OuterBlockManager
 from rbln_ray.vllm_plugin.kv_slots import SlotManager
-from rbln_ray.vllm_plugin.options import RBLNOptions
+from rbln_ray.vllm_plugin.options import engine_options
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +75,7 @@ class _RBLNScheduling:
         # turned chunked prefill off.
         sched = self.scheduler_config
         self.step_tokens = sched.long_prefill_token_threshold or sched.max_num_batched_tokens
-        self.options = RBLNOptions.from_vllm_config(self.vllm_config)
+        self.options = engine_options(self.vllm_config)
         self.outer_blocks = OuterBlockManager(self.layout, self._evict_hashes)
         # Sliding-window layers: one pinned cache slot per running request (kv_slots).
         self.slots = SlotManager(artifact.batch_size) if artifact.uses_local_cache else None
@@ -90,11 +89,11 @@ class _RBLNScheduling:
         """A waiting request may start its prefill: a free slot, vLLM blocks for its first
         chunk, and RBLN blocks for the rest of every prompt being prefilled plus its own (so
         concurrent prefills can always finish without waiting on each other)."""
-        if not (self.waiting or self.skipped_waiting):
+        if not vllm_internals.has_waiting(self):
             return False
         if len(self.running) >= self.max_num_running_reqs:
             return False
-        request = self._select_waiting_queue_for_scheduling().peek_request()
+        request = vllm_internals.next_waiting(self)
         needed = sum(
             self.outer_blocks.new_blocks_needed(r.request_id, r.num_tokens)
             for r in self.running
@@ -111,25 +110,6 @@ class _RBLNScheduling:
         end = request.num_computed_tokens + self.step_tokens
         needed = self.outer_blocks.new_blocks_needed(request.request_id, end)
         return request if self.outer_blocks.free_count() >= needed else None
-
-    @contextmanager
-    def _only(self, visible: list[Request], max_running: int) -> Iterator[None]:
-        """Let vLLM's ``schedule`` see only ``visible`` and admit up to ``max_running``.
-
-        Requests it preempts leave ``running``, requests it admits join it at the end, the
-        hidden ones stay where they were.
-        """
-        everyone, limit = self.running, self.max_num_running_reqs
-        shown = {id(r) for r in visible}
-        self.running, self.max_num_running_reqs = list(visible), max_running
-        try:
-            yield
-        finally:
-            after = {id(r) for r in self.running}
-            kept = [r for r in everyone if id(r) not in shown or id(r) in after]
-            known = {id(r) for r in everyone}
-            self.running = kept + [r for r in self.running if id(r) not in known]
-            self.max_num_running_reqs = limit
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         """One step: start a waiting request's prefill when a slot is free, else the next
@@ -151,7 +131,7 @@ class _RBLNScheduling:
             self._make_room_for_decodes(decoding)
             visible = self._decode_rows([r for r in self.running if not r.is_prefill_chunk])
             limit = len(visible)
-        with self._only(visible, limit):
+        with vllm_internals.scheduler_view(self, visible, limit):
             output = super().schedule(throttle_prefills)
         scheduled = bool(output.num_scheduled_tokens)
         if kind == "prefill":
@@ -189,10 +169,7 @@ class _RBLNScheduling:
         victims = list(decoding)
         while victims and needed(victims) > self.outer_blocks.free_count():
             victim = victims.pop()
-            self.running.remove(victim)
-            # vLLM 0.30 internal (Scheduler._preempt_request): the same preemption vLLM runs
-            # when its own KV blocks run out, triggered here for RBLN blocks.
-            self._preempt_request(victim, time.monotonic())
+            vllm_internals.preempt(self, victim)
             self._release_missing()
             logger.info("preempted %s: no free RBLN KV block", victim.request_id)
 
@@ -238,13 +215,7 @@ class _RBLNScheduling:
 
     def _evict_hashes(self, hashes: list[Hashable]) -> None:
         """Drop from vLLM's prefix cache the blocks whose KV no RBLN block holds any more."""
-        pool = self.kv_cache_manager.block_pool
-        for block_hash in hashes:
-            for _ in range(self.kv_cache_config.num_blocks):
-                blocks = pool.get_cached_block(block_hash, [0])
-                if not blocks:
-                    break
-                self.kv_cache_manager.evict_blocks({blocks[0].block_id})
+        vllm_internals.evict_cached_hashes(self, hashes)
 
 
 class RBLNScheduler(_RBLNScheduling, Scheduler):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rbln_ray.compile import compile_hf_model
+from rbln_ray.compile import CompileSettings, compile_hf_model
 from tests.helpers import hf_greedy
 
 NEW_TOKENS = 16
@@ -56,16 +56,15 @@ def compiled(tmp_path_factory, tiny_models):
         if key not in cache:
             out = tmp_path_factory.mktemp(f"{family}-{attn}-{int(mask)}")
             flash = attn == "flash_attn"
-            compile_hf_model(
-                tiny_models[family],
-                out,
+            settings = CompileSettings(
                 batch_size=4,
                 max_seq_len=2048 if flash else 512,
                 attn_impl=attn,
                 kvcache_partition_len=1024 if flash else None,
-                decoder_batch_sizes=[4, 2, 1],
+                decoder_batch_sizes=(4, 2, 1),
                 use_attention_mask=mask,
             )
+            compile_hf_model(tiny_models[family], out, settings)
             cache[key] = out
         return cache[key]
 

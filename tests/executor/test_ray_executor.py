@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from rbln_ray.executor import PlacementPlan
+from rbln_ray.vllm_plugin.options import PlacementSettings
 from tests.helpers import hf_greedy
 from tests.ray_cluster import ENGINE_ENV, run_engine_script, wait_all_rbln_free
 
@@ -40,7 +41,7 @@ def test_plan_bundles_and_description() -> None:
 def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Compiled tiny Llama for 1 and 2 devices, and a 5-device one no node can host."""
     os.environ.update(ENGINE_ENV)
-    from rbln_ray.compile import compile_hf_model
+    from rbln_ray.compile import CompileSettings, compile_hf_model
     from rbln_ray.emulator import ensure_runtime
     from rbln_ray.models import build_tiny_model
 
@@ -50,15 +51,10 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {"hf": Path(hf)}
     for n in (1, 2):
         out[f"nd{n}"] = root / f"nd{n}"
-        compile_hf_model(
-            hf,
-            out[f"nd{n}"],
-            batch_size=4,
-            max_seq_len=512,
-            attn_impl="eager",
-            decoder_batch_sizes=[4, 2, 1],
-            num_devices=n,
+        settings = CompileSettings(
+            batch_size=4, max_seq_len=512, decoder_batch_sizes=(4, 2, 1), num_devices=n
         )
+        compile_hf_model(hf, out[f"nd{n}"], settings)
     # Placement fails before anything loads, so a relabelled copy is enough.
     nd5 = root / "nd5"
     shutil.copytree(out["nd1"], nd5)
@@ -185,7 +181,7 @@ def test_placement_error_message_names_request_and_cluster(cluster) -> None:
     """The placement error states what was asked and what each node has, within the bound."""
     from rbln_ray.executor import placement
 
-    plan = PlacementPlan(num_workers=1, devices_per_worker=5, timeout_s=2)
+    plan = PlacementPlan(1, 5, PlacementSettings(placement_timeout_s=2))
     t0 = time.monotonic()
     with pytest.raises(placement.PlacementError) as err:
         placement.acquire(None, plan)

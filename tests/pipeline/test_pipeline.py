@@ -43,15 +43,15 @@ def test_stage_graphs_in_process_match_transformers(
     import torch
 
     os.environ.update(ENGINE_ENV)
-    from rbln_ray.compile import compile_pipeline
+    from rbln_ray.compile import CompileSettings, compile_pipeline
     from rbln_ray.models import build_tiny_model
     from rbln_ray.pipeline.stage import StageModel, StepPlan
 
     hf = build_tiny_model(family="llama", num_layers=NUM_LAYERS)
-    settings = dict(COMPILE)
+    settings = dict(COMPILE, attn_impl=attn_impl)
     if attn_impl == "flash_attn":
         settings.update(max_seq_len=2048, kvcache_partition_len=1024)
-    out = compile_pipeline(hf, tmp_path / "staged", stages, attn_impl=attn_impl, **settings)
+    out = compile_pipeline(hf, tmp_path / "staged", stages, CompileSettings(**settings))
     models = [StageModel.load(out, s, [0]) for s in range(stages)]
     manifest = models[0].manifest
     blocks_per_seq = manifest.max_seq_len // manifest.kvcache_block_size
@@ -84,7 +84,7 @@ def test_stage_graphs_in_process_match_transformers(
 def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A 4-layer tiny Llama compiled as one optimum graph set (S=1) and as 2 and 4 stages."""
     os.environ.update(ENGINE_ENV)
-    from rbln_ray.compile import compile_hf_model, compile_pipeline
+    from rbln_ray.compile import CompileSettings, compile_hf_model, compile_pipeline
     from rbln_ray.emulator import ensure_runtime
     from rbln_ray.models import build_tiny_model
 
@@ -92,9 +92,10 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pipeline-artifacts")
     hf = Path(build_tiny_model(family="llama", num_layers=NUM_LAYERS))
     out = {"hf": hf, "s1": root / "s1"}
-    compile_hf_model(hf, out["s1"], attn_impl="eager", **COMPILE)
+    settings = CompileSettings(**COMPILE)
+    compile_hf_model(hf, out["s1"], settings)
     for stages in (2, 4):
-        out[f"s{stages}"] = compile_pipeline(hf, root / f"s{stages}", stages, **COMPILE)
+        out[f"s{stages}"] = compile_pipeline(hf, root / f"s{stages}", stages, settings)
     return out
 
 
