@@ -20,6 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("upstream",),
     ("npu",),
     ("emulator",),
+    ("families",),
     ("compile",),
     ("models",),
     ("vllm_plugin",),

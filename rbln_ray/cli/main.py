@@ -53,8 +53,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 def cmd_build_model(args: argparse.Namespace) -> int:
-    from rbln_ray.compile.encoders import ENCODERS
-    from rbln_ray.compile.vision import VISION_FAMILIES
+    from rbln_ray.families.registry import DecoderFamily, EncoderFamily, family
     from rbln_ray.models import (
         TinyModelSpec,
         build_tiny_encoder,
@@ -66,38 +65,34 @@ def cmd_build_model(args: argparse.Namespace) -> int:
     if args.family == "demo":
         print(demo_model_dir())
         return 0
+    record = family(args.family)
     shape = dict(
         hidden_size=args.hidden_size,
         num_layers=args.num_layers,
         num_heads=args.num_heads,
         intermediate_size=args.intermediate_size,
     )
-    if args.family in ENCODERS:
-        print(build_tiny_encoder(family=args.family, out_dir=args.out, **shape))
+    if isinstance(record, EncoderFamily):
+        print(build_tiny_encoder(family=record.name, out_dir=args.out, **shape))
         return 0
-    if args.family in VISION_FAMILIES:
-        language = TinyModelSpec(
-            family=VISION_FAMILIES[args.family].language_family,
-            num_kv_heads=args.num_kv_heads,
-            max_position_embeddings=args.max_position_embeddings,
-            **shape,
-        )
-        print(build_tiny_vlm(family=args.family, language=language, out_dir=args.out))
-        return 0
-    path = build_tiny_model(
-        family=args.family,
-        hidden_size=args.hidden_size,
-        num_layers=args.num_layers,
-        num_heads=args.num_heads,
+    decoder = dict(
         num_kv_heads=args.num_kv_heads,
-        intermediate_size=args.intermediate_size,
         max_position_embeddings=args.max_position_embeddings,
-        sliding_window=args.sliding_window,
-        num_experts=args.num_experts,
-        experts_per_token=args.experts_per_token,
-        out_dir=args.out,
+        **shape,
     )
-    print(path)
+    if isinstance(record, DecoderFamily):
+        moe = dict(num_experts=args.num_experts, experts_per_token=args.experts_per_token)
+        path = build_tiny_model(
+            family=record.name,
+            sliding_window=args.sliding_window,
+            out_dir=args.out,
+            **decoder,
+            **moe,
+        )
+        print(path)
+        return 0
+    language = TinyModelSpec(family=record.language_family, **decoder)
+    print(build_tiny_vlm(family=record.name, language=language, out_dir=args.out))
     return 0
 
 
@@ -171,14 +166,13 @@ def parser() -> argparse.ArgumentParser:
         "build-model",
         help="build a local test model: decoder, encoder or vision-language (or train the demo)",
     )
-    from rbln_ray.compile.encoders import ENCODERS
-    from rbln_ray.compile.vision import VISION_FAMILIES
-    from rbln_ray.compile.zoo import FAMILIES
+    from rbln_ray.families.registry import FAMILIES
 
     b.add_argument(
         "family",
-        type=lambda name: name.replace("-", "_"),  # qwen2-vl = qwen2_vl, gpt-oss = gpt_oss
-        choices=[*FAMILIES, *ENCODERS, *VISION_FAMILIES, "demo"],
+        # qwen2-vl = qwen2_vl, gpt-oss = gpt_oss; encoders keep their dashes (xlm-roberta)
+        type=lambda name: name if name in FAMILIES else name.replace("-", "_"),
+        choices=[*FAMILIES, "demo"],
     )
     b.add_argument("--out", type=Path)
     b.add_argument("--hidden-size", type=int, default=128)

@@ -21,7 +21,12 @@ LEVELS = ("debug", "info", "warning", "error")
 # Environment defaults for every process rbln-ray starts (children inherit them):
 # Hugging Face tokenizers print a warning, and turn their thread pool off, in every process
 # forked after the pool was used; vLLM, Ray and multiprocessing fork (or fork+exec) often.
-PROCESS_ENV_DEFAULTS = {"TOKENIZERS_PARALLELISM": "false"}
+# vLLM logs to stdout by default, which would mix its log lines into a command's output
+# (``rbln-ray build-model`` prints the model's path); logs belong on stderr.
+PROCESS_ENV_DEFAULTS = {
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+}
 
 
 def apply_process_defaults() -> None:

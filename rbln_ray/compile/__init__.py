@@ -2,7 +2,6 @@
 the emulator alike.
 
 * :mod:`.settings`: :class:`CompileSettings` and the one mapping onto optimum's ``rbln_*``;
-* :mod:`.zoo`: the model families rbln-ray compiles and serves, and what each needs;
 * :mod:`.optimum_compile`: one graph set through optimum-rbln's own ``from_pretrained``;
   :mod:`.family_compile` wraps it with a family's options and clear rejections;
 * :mod:`.pipeline_compile` / :mod:`.stage_graph` / :mod:`.pipeline_manifest`: S pipeline
@@ -22,7 +21,7 @@ from rbln_ray.compile.optimum_compile import compile_hf_model
 from rbln_ray.compile.pipeline_compile import compile_pipeline
 from rbln_ray.compile.pipeline_manifest import PipelineManifest, StageSpec, split_layers
 from rbln_ray.compile.settings import CompileSettings
-from rbln_ray.compile.zoo import UnsupportedModelError, family_for_dir, supported_architectures
+from rbln_ray.families.registry import UnsupportedModelError, family_for_dir
 
 __all__ = [
     "ArtifactError",
@@ -37,5 +36,4 @@ __all__ = [
     "is_compiled_dir",
     "resolve_compiled_dir",
     "split_layers",
-    "supported_architectures",
 ]

@@ -12,8 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rbln_ray.common.artifact_files import PIPELINE_MANIFEST, RBLN_CONFIG
-from rbln_ray.compile.encoders import EncoderArtifact, encoder_for_dir
-from rbln_ray.compile.vision import vision_family_for_dir
+from rbln_ray.compile.encoders import EncoderArtifact
+from rbln_ray.families.registry import (
+    DecoderFamily,
+    encoder_for_dir,
+    family_for_config_class,
+    vision_for_dir,
+)
 
 # A staged (pipeline-parallel) directory's manifest has the same shape keys as rbln_config.json
 # (see pipeline_manifest.py), so one reader serves both.
@@ -47,13 +52,14 @@ class CompiledArtifact:
     sliding_window: int | None = None
     use_position_ids: bool = False  # decode also takes position_ids and a [B, S] mask
     # The compiled prefill can start mid-prompt (a multiple of prefill_chunk_size); False for
-    # families whose prefill cannot (rbln_ray.compile.zoo.ModelFamily.prefill_resumable).
+    # families whose prefill cannot (rbln_ray.families.registry.DecoderFamily).
     prefill_resumable: bool = True
     # Sequences in flight: batch_size, or for a pipeline every micro-batch's (vLLM keeps one
     # micro-batch of up to batch_size rows in each stage).
     max_num_seqs: int = 0
-    # A vision-language model (rbln_ray.compile.vision): its family name. The fields above
-    # are then its language model's; the vision tower and projector are its other graphs.
+    # A vision-language model (rbln_ray.families.registry.VisionFamily): its family name.
+    # The fields above are then its language model's; the tower and projector are its other
+    # graphs.
     vision_family: str = ""
     dtype: str = "float32"  # what the compiled graphs compute in (optimum's rbln_config dtype)
 
@@ -91,7 +97,7 @@ class CompiledArtifact:
         elif not cfg_path.is_file():
             raise ArtifactError(f"{path} has no {RBLN_CONFIG}: not a compiled optimum-rbln model")
         raw = json.loads(cfg_path.read_text())
-        vision = vision_family_for_dir(path)
+        vision = vision_for_dir(path)
         if vision is not None:
             submodule = vision.language_submodule
             if raw.get("cls_name") != vision.config_class or (submodule and submodule not in raw):
@@ -138,10 +144,8 @@ class CompiledArtifact:
 
 
 def _prefill_resumable(cls_name: str) -> bool:
-    from rbln_ray.compile.zoo import family_for_config_class
-
     family = family_for_config_class(cls_name)
-    return family.prefill_resumable if family is not None else True
+    return family.prefill_resumable if isinstance(family, DecoderFamily) else True
 
 
 # Parsed artifacts of this process, by directory and the version of its config file: the

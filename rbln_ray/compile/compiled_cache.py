@@ -15,10 +15,8 @@ from pathlib import Path
 
 from rbln_ray.common.paths import atomic_dir, cache_dir, file_lock
 from rbln_ray.compile.artifact import is_compiled_dir
-from rbln_ray.compile.encoders import encoder_for_dir
 from rbln_ray.compile.settings import CompileSettings
-from rbln_ray.compile.vision import vision_family_for_dir
-from rbln_ray.compile.zoo import family_for_dir
+from rbln_ray.families.registry import family_for_dir
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +53,7 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
             f"model {str(model)!r} is not a local directory; rbln-ray loads local compiled "
             "(or HF) directories only"
         )
-    if encoder_for_dir(model_dir) is None and vision_family_for_dir(model_dir) is None:
-        family_for_dir(model_dir)  # raises naming the supported architectures
+    family_for_dir(model_dir)  # raises naming the supported architectures
     if is_compiled_dir(model_dir):
         return model_dir
     hf_config = json.loads((model_dir / "config.json").read_text())

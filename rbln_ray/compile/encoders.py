@@ -1,16 +1,11 @@
-"""Encoder (pooling) models: which architectures rbln-ray serves for embeddings, how they are
-compiled, and what a compiled one looks like.
+"""Encoder (pooling) models: how they are compiled, and what a compiled one looks like (the
+families are records of :mod:`rbln_ray.families.registry`).
 
-Why apart from :mod:`.zoo`: an encoder has no KV cache, no decode phase and no sampling. One
-compiled graph takes ``[batch_size, max_seq_len]`` token ids with an attention mask and
-returns every position's hidden state; pooling (CLS, mean, ...) and normalisation stay on the
-host, in vLLM's own pooler, exactly as plain vLLM pools its own BERT. So the families, the
+Why apart from the decoder compile: an encoder has no KV cache, no decode phase and no
+sampling. One compiled graph takes ``[batch_size, max_seq_len]`` token ids with an attention
+mask and returns every position's hidden state; pooling (CLS, mean, ...) and normalisation
+stay on the host, in vLLM's own pooler, exactly as plain vLLM pools its own BERT. So the
 compile call and the artifact fields differ from a decoder's in every line.
-
-Supported means what it means in the zoo: a tiny model of the family, built locally by
-:func:`rbln_ray.models.build_tiny_encoder`, compiled with optimum-rbln 0.12 on the emulator and
-served by ``vllm.LLM(runner="pooling")`` gives plain vLLM-CPU's embeddings
-(``tests/vllm_plugin/test_embeddings.py``).
 """
 
 from __future__ import annotations
@@ -20,70 +15,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from rbln_ray.common.artifact_files import RBLN_CONFIG, architectures
+from rbln_ray.common.artifact_files import RBLN_CONFIG
 from rbln_ray.compile.settings import CompileSettings
+from rbln_ray.families.registry import EncoderFamily, encoder_for_dir
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EncoderFamily:
-    """One encoder architecture optimum-rbln 0.12 compiles, served for embeddings."""
-
-    name: str  # rbln-ray's family name (``rbln-ray build-model <name>``)
-    architecture: str  # ``config.json`` ``architectures[0]``
-    optimum_class: str
-    input_names: tuple[str, ...]  # the compiled graph's inputs, in order
-    # What the compiled graph returns, so which of vLLM's poolers takes it: "embed" (every
-    # position's hidden state; vLLM pools and normalises) or "classify" (the sequence
-    # classifier's logits, head included; vLLM applies the activation: a cross-encoder's
-    # relevance score, ``/v1/score`` and ``/v1/rerank``).
-    task: str = "embed"
-
-    @property
-    def config_class(self) -> str:
-        return self.optimum_class + "Config"
-
-
-ENCODERS: dict[str, EncoderFamily] = {
-    "bert": EncoderFamily(
-        name="bert",
-        architecture="BertModel",
-        optimum_class="RBLNBertModel",
-        input_names=("input_ids", "attention_mask", "token_type_ids"),
-    ),
-    # e.g. BAAI/bge-m3, multilingual-e5
-    "xlm-roberta": EncoderFamily(
-        name="xlm-roberta",
-        architecture="XLMRobertaModel",
-        optimum_class="RBLNXLMRobertaModel",
-        input_names=("input_ids", "attention_mask"),
-    ),
-    # Cross-encoder rerankers, e.g. BAAI/bge-reranker-v2-m3 (no segment ids: RoBERTa has one)
-    "xlm-roberta-reranker": EncoderFamily(
-        name="xlm-roberta-reranker",
-        architecture="XLMRobertaForSequenceClassification",
-        optimum_class="RBLNXLMRobertaForSequenceClassification",
-        input_names=("input_ids", "attention_mask"),
-        task="classify",
-    ),
-    "roberta-reranker": EncoderFamily(
-        name="roberta-reranker",
-        architecture="RobertaForSequenceClassification",
-        optimum_class="RBLNRobertaForSequenceClassification",
-        input_names=("input_ids", "attention_mask"),
-        task="classify",
-    ),
-}
-
-
-def encoder_for_dir(model_dir: str | Path) -> EncoderFamily | None:
-    """The encoder family of an HF or compiled directory, or None for anything else."""
-    by_arch = {f.architecture: f for f in ENCODERS.values()}
-    for arch in architectures(model_dir):
-        if arch in by_arch:
-            return by_arch[arch]
-    return None
 
 
 class EncoderArtifactError(ValueError):

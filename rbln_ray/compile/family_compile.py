@@ -1,8 +1,8 @@
 """Compile a Hugging Face directory of a supported family, as that family needs.
 
 Why a layer over :func:`.optimum_compile.compile_hf_model`: the architecture check, the
-per-family optimum options (:meth:`rbln_ray.compile.zoo.ModelFamily.compile_options`) and the
-translation of optimum-rbln's config rejections into one clear error belong to every
+per-family optimum options (``DecoderFamily.compile_options``, :mod:`rbln_ray.families`)
+and the translation of optimum-rbln's config rejections into one clear error belong to every
 compile rbln-ray starts (``rbln-ray compile``, an engine given an uncompiled directory), not
 to the emulator, which must compile whatever optimum hands it.
 """
@@ -14,7 +14,13 @@ import logging
 from pathlib import Path
 
 from rbln_ray.compile.settings import CompileSettings
-from rbln_ray.compile.zoo import ModelFamily, family_for_dir
+from rbln_ray.families.registry import (
+    DecoderFamily,
+    EncoderFamily,
+    UnsupportedModelError,
+    VisionFamily,
+    family_for_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -27,19 +33,21 @@ def compile_model(hf_dir: str | Path, out_dir: str | Path, settings: CompileSett
     """Compile ``hf_dir`` into ``out_dir`` with ``settings`` (``max_seq_len`` filled from the
     model when unset).
 
-    Raises :class:`~rbln_ray.compile.zoo.UnsupportedModelError` for an architecture rbln-ray
-    does not serve (before loading any weights) and :class:`CompileConfigError` when
-    optimum-rbln rejects a setting or config value.
+    Raises :class:`~rbln_ray.families.registry.UnsupportedModelError` for an architecture
+    rbln-ray does not serve as a decoder (before loading any weights) and
+    :class:`CompileConfigError` when optimum-rbln rejects a setting or config value.
     """
     from rbln_ray.compile.optimum_compile import compile_hf_model
 
     hf_dir = Path(hf_dir)
     family = family_for_dir(hf_dir)
+    if not isinstance(family, DecoderFamily):
+        raise UnsupportedModelError(f"{hf_dir}: {family.architecture} is not a decoder")
     hf_config = json.loads((hf_dir / "config.json").read_text())
     settings = settings.with_max_seq_len(hf_config)
     for caveat in family.caveats(hf_config):
         logger.warning("%s (%s): %s", hf_dir, family.architecture, caveat)
-    rbln_extra, hf_kwargs = family.compile_options(hf_config, settings)
+    rbln_extra, hf_kwargs = family.compile_options(hf_config)
     try:
         return compile_hf_model(hf_dir, out_dir, settings, extra=rbln_extra, hf_kwargs=hf_kwargs)
     except (ValueError, NotImplementedError) as exc:
@@ -49,7 +57,7 @@ def compile_model(hf_dir: str | Path, out_dir: str | Path, settings: CompileSett
         raise CompileConfigError(_message(family, hf_dir, settings, exc)) from None
 
 
-def _message(family: ModelFamily, hf_dir: Path, settings: CompileSettings, exc: Exception) -> str:
+def _message(family: DecoderFamily, hf_dir: Path, settings: CompileSettings, exc: Exception) -> str:
     shown = ", ".join(f"{k}={v}" for k, v in sorted(settings.as_dict().items()) if v is not None)
     return (
         f"optimum-rbln cannot compile {hf_dir} ({family.architecture} via "
@@ -65,26 +73,25 @@ def compile_directory(
     ``out_dir``; returns what was compiled, for messages. Raises a ``ValueError`` naming the
     problem (an unsupported architecture before any weights load, a setting that does not
     apply to the model's kind, or optimum-rbln's own rejection)."""
-    from rbln_ray.compile.encoders import compile_encoder, encoder_for_dir
-    from rbln_ray.compile.vision import compile_vision_language, vision_family_for_dir
+    family = family_for_dir(hf_dir)  # raises naming the supported architectures
+    if pipeline_stages > 1 and not isinstance(family, DecoderFamily):
+        raise CompileConfigError(
+            f"{family.architecture}: pipeline stages are served for decoders only"
+        )
+    if isinstance(family, EncoderFamily):
+        from rbln_ray.compile.encoders import compile_encoder
 
-    encoder = encoder_for_dir(hf_dir)
-    vision = vision_family_for_dir(hf_dir)
-    if encoder is None and vision is None:
-        family_for_dir(hf_dir)  # raises naming the supported architectures
-    if pipeline_stages > 1 and (encoder is not None or vision is not None):
-        kind = encoder.architecture if encoder is not None else vision.architecture
-        raise CompileConfigError(f"{kind}: pipeline stages are served for decoders only")
-    if encoder is not None:
         compile_encoder(hf_dir, out_dir, settings)
-        return f"{encoder.architecture} encoder (embeddings)"
-    if vision is not None:
+        return f"{family.architecture} encoder ({family.task})"
+    if isinstance(family, VisionFamily):
+        from rbln_ray.compile.vision import compile_vision_language
+
         compile_vision_language(hf_dir, out_dir, settings)
-        return f"{vision.architecture} (vision-language)"
+        return f"{family.architecture} (vision-language)"
     if pipeline_stages > 1:
         from rbln_ray.compile.pipeline_compile import compile_pipeline
 
         compile_pipeline(hf_dir, out_dir, pipeline_stages, settings)
-        return f"{pipeline_stages}-stage pipeline"
+        return f"{family.architecture}, {pipeline_stages}-stage pipeline"
     compile_model(hf_dir, out_dir, settings)
-    return family_for_dir(hf_dir).architecture
+    return family.architecture

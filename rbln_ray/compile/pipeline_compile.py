@@ -22,7 +22,7 @@ from typing import Any
 from rbln_ray.common.dtypes import torch_dtype
 from rbln_ray.compile.pipeline_manifest import PipelineManifest, StageSpec, split_layers
 from rbln_ray.compile.settings import CompileSettings
-from rbln_ray.compile.zoo import family_for_dir
+from rbln_ray.families.registry import family_for_dir
 from rbln_ray.upstream import optimum_internals, torch_internals
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Small models built locally and deterministically (no model hub needed).
 
-``build_tiny_model`` makes random-weight decoder directories of every zoo family for tests,
+``build_tiny_model`` makes random-weight decoder directories of every decoder family for tests,
 ``build_tiny_encoder`` encoder (embedding) ones, ``build_tiny_vlm`` vision-language ones;
 ``demo_model_dir`` returns a small Llama
 trained briefly on local Python sources, cached.

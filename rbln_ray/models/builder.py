@@ -15,23 +15,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rbln_ray.common.paths import atomic_dir, cache_dir
-from rbln_ray.compile.zoo import FAMILIES as ZOO
+from rbln_ray.families.registry import DECODERS
+from rbln_ray.families.tiny import decoder_config
 from rbln_ray.models.tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = tuple(ZOO)
+FAMILIES = tuple(DECODERS)
 # Families whose tiny-model cache keys predate the fields below: a field at its default is
 # left out of their key, so existing cached models keep their directories.
 _LEGACY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 _LATER_FIELDS = ("sliding_window", "num_experts", "experts_per_token")
-# Families whose recipe in make_config changed after their first models were cached: the
-# revision joins their key, so a changed recipe never reuses a stale directory. Bump it when
-# a family's recipe changes.
-_RECIPE_REVISIONS = {"phi": 2}
-# Sliding window of the hybrid families' tiny models: shorter than the test prompts, so the
-# window matters (optimum requires window <= 32768 - prefill_chunk_size on ATOM).
-DEFAULT_WINDOW = 64
 
 
 @dataclass(frozen=True)
@@ -49,7 +43,7 @@ class TinyModelSpec:
     initializer_range: float = 0.2
     seed: int = 0
     # Sliding window (tokens) of the layers that use one; None: the family's default
-    # (DEFAULT_WINDOW for gemma2/gemma3/gpt_oss, none for mistral).
+    # (rbln_ray.families.tiny.DEFAULT_WINDOW for hybrid families, none for mistral).
     sliding_window: int | None = None
     num_experts: int = 4  # MoE families: experts per layer ...
     experts_per_token: int = 2  # ... and how many each token uses
@@ -75,8 +69,9 @@ class TinyModelSpec:
             for name in _LATER_FIELDS:
                 if fields[name] == defaults[name].default:
                     del fields[name]
-        if self.family in _RECIPE_REVISIONS:
-            fields["recipe"] = _RECIPE_REVISIONS[self.family]
+        revision = DECODERS[self.family].tiny.revision
+        if revision:  # a recipe changed after its first models were cached
+            fields["recipe"] = revision
         return fields
 
     def key(self) -> str:
@@ -85,127 +80,9 @@ class TinyModelSpec:
 
 
 def make_config(spec: TinyModelSpec, bos_id: int, eos_id: int, pad_id: int):
-    """The transformers config object for ``spec`` (a tiny, deterministic model of its family)."""
-    import transformers
-
-    head_dim = spec.hidden_size // spec.num_heads
-    ids = dict(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id)
-    common = dict(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.initializer_range,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-        **ids,
-    )
-    window = spec.sliding_window or DEFAULT_WINDOW
-    # Alternate sliding and full layers, as gemma2/gemma3/gpt-oss checkpoints do.
-    hybrid = [
-        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)
-    ]
-    moe = dict(num_experts_per_tok=spec.experts_per_token)
-    family = spec.family
-    T = transformers  # noqa: N806
-    if family == "llama":
-        return T.LlamaConfig(**common)
-    if family == "qwen2":
-        return T.Qwen2Config(**common)
-    if family == "qwen3":
-        return T.Qwen3Config(**common, head_dim=head_dim)
-    if family == "mistral":
-        return T.MistralConfig(**common, sliding_window=spec.sliding_window)
-    if family == "gemma":
-        return T.GemmaConfig(**common, head_dim=head_dim)
-    if family == "gemma2":
-        # optimum-rbln 0.12 compiles Gemma2 without attention-logit soft-capping (its
-        # attention ops have no such input); the final-logit soft-capping it does compile.
-        return T.Gemma2Config(
-            **common,
-            head_dim=head_dim,
-            query_pre_attn_scalar=head_dim,
-            sliding_window=window,
-            layer_types=hybrid,
-            attn_logit_softcapping=None,
-            final_logit_softcapping=30.0,
-        )
-    if family == "gemma3":
-        return T.Gemma3TextConfig(
-            **common,
-            head_dim=head_dim,
-            query_pre_attn_scalar=head_dim,
-            sliding_window=window,
-            layer_types=hybrid,
-        )
-    if family == "phi":
-        # Full multi-head attention and an MLP of 4 x hidden, as Phi-1/2 checkpoints have:
-        # vLLM 0.30's Phi reads neither num_key_value_heads nor intermediate_size.
-        phi = {"num_key_value_heads": spec.num_heads, "intermediate_size": 4 * spec.hidden_size}
-        return T.PhiConfig(**{**common, **phi}, partial_rotary_factor=0.5)
-    if family == "mixtral":
-        return T.MixtralConfig(
-            **{**common, "intermediate_size": spec.intermediate_size // 2},
-            num_local_experts=spec.num_experts,
-            sliding_window=None,
-            **moe,
-        )
-    if family == "qwen2_moe":
-        return T.Qwen2MoeConfig(
-            **common,
-            num_experts=spec.num_experts,
-            moe_intermediate_size=spec.intermediate_size // 4,
-            shared_expert_intermediate_size=spec.intermediate_size // 2,
-            **moe,
-        )
-    if family == "qwen3_moe":
-        return T.Qwen3MoeConfig(
-            **common,
-            head_dim=head_dim,
-            num_experts=spec.num_experts,
-            moe_intermediate_size=spec.intermediate_size // 4,
-            **moe,
-        )
-    if family == "gpt_oss":
-        return T.GptOssConfig(
-            **{**common, "intermediate_size": spec.intermediate_size // 2},
-            head_dim=head_dim,
-            num_local_experts=spec.num_experts,
-            sliding_window=window,
-            layer_types=hybrid,
-            **moe,
-        )
-    if family == "gpt2":
-        return T.GPT2Config(
-            vocab_size=spec.vocab_size,
-            n_embd=spec.hidden_size,
-            n_layer=spec.num_layers,
-            n_head=spec.num_heads,
-            n_inner=spec.intermediate_size,
-            n_positions=spec.max_position_embeddings,
-            initializer_range=spec.initializer_range,
-            tie_word_embeddings=False,
-            torch_dtype="float32",
-            **ids,
-        )
-    if family == "opt":
-        return T.OPTConfig(
-            vocab_size=spec.vocab_size,
-            hidden_size=spec.hidden_size,
-            num_hidden_layers=spec.num_layers,
-            ffn_dim=spec.intermediate_size,
-            num_attention_heads=spec.num_heads,
-            word_embed_proj_dim=spec.hidden_size,
-            max_position_embeddings=spec.max_position_embeddings,
-            init_std=spec.initializer_range,
-            tie_word_embeddings=False,
-            torch_dtype="float32",
-            **ids,
-        )
-    raise ValueError(f"no tiny-model recipe for family {family!r}")
+    """The transformers config object for ``spec``: its family's recipe
+    (:attr:`rbln_ray.families.registry.DecoderFamily.tiny`) at the spec's shape."""
+    return decoder_config(DECODERS[spec.family].tiny, spec, bos_id, eos_id, pad_id)
 
 
 def build_tiny_model(spec: TinyModelSpec | None = None, out_dir: Path | None = None, **kw) -> Path:
@@ -229,7 +106,7 @@ def build_tiny_model(spec: TinyModelSpec | None = None, out_dir: Path | None = N
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     logger.info("building tiny %s model at %s", spec.family, out)
     with atomic_dir(out) as tmp:
-        if spec.family == "gpt_oss":
+        if DECODERS[spec.family].tiny.checkpoint == "mxfp4":
             _save_mxfp4(model, tmp, spec.seed)
         else:
             model.save_pretrained(tmp)

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rbln_ray.common.paths import atomic_dir, cache_dir
-from rbln_ray.compile.encoders import ENCODERS
+from rbln_ray.families.registry import ENCODERS
 from rbln_ray.models.tokenizer import BOS, EOS, PAD, build_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -78,10 +78,11 @@ def _framed_tokenizer(vocab_size: int, roberta: bool):
 
 
 def _config(spec: TinyEncoderSpec, tokenizer):
-    """The family's transformers config at the spec's shape."""
+    """The family's transformers config at the spec's shape (its recipe:
+    :attr:`rbln_ray.families.registry.EncoderFamily.tiny`)."""
     import transformers
 
-    shape = {
+    common = {
         "vocab_size": spec.vocab_size,
         "hidden_size": spec.hidden_size,
         "num_hidden_layers": spec.num_layers,
@@ -90,29 +91,16 @@ def _config(spec: TinyEncoderSpec, tokenizer):
         "initializer_range": spec.initializer_range,
         "pad_token_id": tokenizer.pad_token_id,
         "torch_dtype": "float32",
+        "max_position_embeddings": spec.max_position_embeddings,
     }
-    if spec.family == "bert":
-        return transformers.BertConfig(
-            max_position_embeddings=spec.max_position_embeddings, **shape
-        )
-    config_cls = (
-        transformers.RobertaConfig
-        if spec.family.startswith("roberta")
-        else transformers.XLMRobertaConfig
-    )
-    return config_cls(
-        # RoBERTa's positions start after the padding id, as in the released checkpoints
-        # (514 positions for 512 tokens when the padding id is 1).
-        max_position_embeddings=spec.max_position_embeddings + tokenizer.pad_token_id + 1,
-        type_vocab_size=1,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        num_labels=1,  # a reranker's one relevance logit
-        # In every released checkpoint's config.json (transformers 5 no longer writes it; vLLM
-        # 0.30 reads it to tell Jina's rotary XLM-R apart).
-        position_embedding_type="absolute",
-        **shape,
-    )
+    derived = {
+        # RoBERTa's positions start after the padding id
+        "roberta_positions": spec.max_position_embeddings + tokenizer.pad_token_id + 1,
+        "bos": tokenizer.bos_token_id,
+        "eos": tokenizer.eos_token_id,
+    }
+    recipe = ENCODERS[spec.family].tiny
+    return getattr(transformers, recipe.config)(**recipe.config_kwargs(common, derived))
 
 
 def build_tiny_encoder(
@@ -126,7 +114,8 @@ def build_tiny_encoder(
     out = out_dir or cache_dir() / "models" / f"tiny-{spec.family}-{spec.key()}"
     if (out / "config.json").exists():
         return out
-    tokenizer = _framed_tokenizer(spec.vocab_size, roberta=spec.family != "bert")
+    roberta = ENCODERS[spec.family].tiny.framing == "roberta"
+    tokenizer = _framed_tokenizer(spec.vocab_size, roberta=roberta)
     config = _config(spec, tokenizer)
     torch.manual_seed(spec.seed)
     model_cls = getattr(transformers, ENCODERS[spec.family].architecture)

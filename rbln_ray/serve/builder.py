@@ -80,14 +80,14 @@ def compiled_max_seq_len(cfg: ModelDeploymentConfig) -> int | None:
 def accepts_images(cfg: ModelDeploymentConfig) -> bool:
     """Whether the model is a vision-language model (compiled, or an HF dir compiled at
     start)."""
-    from rbln_ray.compile.vision import vision_family_for_dir
+    from rbln_ray.families.registry import vision_for_dir
 
     if cfg.model == DEMO_MODEL:
         return False
     art = served_artifact(cfg)
     if isinstance(art, CompiledArtifact):
         return art.is_multimodal
-    return art is None and vision_family_for_dir(cfg.model) is not None
+    return art is None and vision_for_dir(cfg.model) is not None
 
 
 def replica_max_ongoing(cfg: ModelDeploymentConfig) -> int:

@@ -21,7 +21,7 @@ DECODER = "optimum.rbln.transformers.models.decoderonly"
 ARCH = f"{DECODER}.decoderonly_architecture"
 PIPELINE_PY = "rbln_ray/compile/pipeline_compile.py"
 STAGE_PY = "rbln_ray/compile/stage_graph.py"
-QWEN2_VL_PY = "rbln_ray/vllm_plugin/qwen2_vl_inputs.py"
+QWEN2_VL_PY = "rbln_ray/families/qwen2_vl.py"
 RUNNER_PY = "rbln_ray/vllm_plugin/model_runner.py"
 
 REQUIREMENTS: tuple[Requirement, ...] = (

@@ -7,13 +7,6 @@ import logging
 logger = logging.getLogger(__name__)
 
 PLATFORM_CLS = "rbln_ray.vllm_plugin.platform.RBLNPlatform"
-# architecture -> rbln-ray's declaration for vLLM's registry (see vision_models)
-VISION_DECLARATIONS = {
-    "LlavaForConditionalGeneration": "rbln_ray.vllm_plugin.vision_models:RBLNLlavaDeclaration",
-    "Qwen2VLForConditionalGeneration": (
-        "rbln_ray.vllm_plugin.vision_models:RBLNQwen2VLDeclaration"
-    ),
-}
 
 
 def register() -> str | None:
@@ -41,13 +34,27 @@ def register() -> str | None:
 
 def register_models() -> None:
     """``vllm.general_plugins`` entry point: on RBLN, vLLM's registry gets rbln-ray's
-    declarations of the vision-language architectures (see ``vision_models``); elsewhere
-    (plain vLLM in the same environment) nothing changes."""
+    declarations of the vision-language architectures whose vLLM modules cannot be imported
+    here (:func:`declarations`); elsewhere (plain vLLM in the same environment) nothing
+    changes."""
     from rbln_ray.emulator import ensure_runtime
 
     if ensure_runtime() == "none":
         return
     from vllm import ModelRegistry
 
-    for arch, qualname in VISION_DECLARATIONS.items():
+    for arch, qualname in declarations().items():
         ModelRegistry.register_model(arch, qualname)
+
+
+def declarations() -> dict[str, str]:
+    """architecture -> ``module:class`` of rbln-ray's declarations (the class vLLM's registry
+    inspects in place of vLLM's own, :mod:`rbln_ray.families.vision_base`), imported by vLLM
+    only when used."""
+    from rbln_ray.families.registry import VISION
+
+    return {
+        f.architecture: f"rbln_ray.families.{f.module}:{f.declaration}"
+        for f in VISION.values()
+        if f.declaration
+    }

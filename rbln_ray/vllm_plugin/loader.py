@@ -11,7 +11,7 @@ from typing import Any
 
 from rbln_ray.compile.artifact import CompiledArtifact
 from rbln_ray.compile.encoders import EncoderArtifact
-from rbln_ray.compile.vision import VISION_FAMILIES
+from rbln_ray.families.registry import VISION
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def load_compiled_model(
     if isinstance(artifact, EncoderArtifact):
         cls = getattr(optimum.rbln, artifact.family.optimum_class)
     elif artifact.is_multimodal:
-        cls = getattr(optimum.rbln, VISION_FAMILIES[artifact.vision_family].optimum_class)
+        cls = getattr(optimum.rbln, VISION[artifact.vision_family].optimum_class)
     else:
         cls = optimum.rbln.RBLNAutoModelForCausalLM
     device: int | list[int] = device_ids[0] if len(device_ids) == 1 else list(device_ids)

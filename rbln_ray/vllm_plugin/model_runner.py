@@ -9,7 +9,8 @@ hit needs, and a scratch block for padding rows.
   from the first uncached position (a multiple of the compiled ``prefill_chunk_size``) to the
   end of the scheduled chunk; returns the last token's logits, sampled only when the chunk
   completes the prompt. A prompt with images (a vision-language artifact) passes its slice of
-  the prompt's embeddings as ``inputs_embeds`` instead (:mod:`.image_inputs`), and a family's
+  the prompt's embeddings as ``inputs_embeds`` instead (the family module's ``Embedder``,
+  :mod:`rbln_ray.families`), and a family's
   extra decoder inputs (Qwen2-VL's M-RoPE ``position_embed``) join prefill and decode calls;
 - decode: ``model.decoders[bs](input_ids [bs,1], cache_position [bs,1], block_tables [bs,nblk])``
   where ``bs`` is the smallest compiled decoder batch size that fits the live rows. Padding
@@ -41,8 +42,9 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from rbln_ray.compile.artifact import CompiledArtifact
+from rbln_ray.families.registry import VISION
+from rbln_ray.families.vision_base import PromptEmbedder
 from rbln_ray.upstream import vllm_internals
-from rbln_ray.vllm_plugin.image_inputs import PromptEmbedder, prompt_embedder
 from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK, BlockLayout, KVCopy, KVStepPlan
 
 logger = logging.getLogger(__name__)
@@ -131,11 +133,11 @@ class RBLNModelRunner:
         # hidden states; only the last returns logits and samples.
         self.first_stage, self.last_stage = first_stage, last_stage
         self.artifact = artifact
-        # A vision-language model: its images become prompt embeddings (image_inputs); its
-        # language model is the decoder every prefill and decode call below runs.
+        # A vision-language model: its images become prompt embeddings (its family's
+        # Embedder); its language model is the decoder every prefill and decode call runs.
         self.embedder: PromptEmbedder | None = None
         if artifact.is_multimodal:
-            self.embedder = prompt_embedder(model, artifact.vision_family)
+            self.embedder = VISION[artifact.vision_family].code().Embedder(model)
             model = self.embedder.language_model
         # Not ``model``: vLLM 0.30's in-process engine walks ``model_runner.model.modules()``
         # at exit (LLMEngine._cleanup_instance_caches); an optimum-rbln model is no nn.Module.

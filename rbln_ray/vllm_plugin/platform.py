@@ -153,7 +153,7 @@ def _sync_kv_cache(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
         cache.enable_prefix_caching = False
 
 
-# Why some families' prompts are prefilled whole (see rbln_ray.compile.zoo).
+# Why some families' prompts are prefilled whole (see rbln_ray.families.registry).
 _NOT_RESUMABLE = (
     "its compiled prefill cannot start mid-prompt (optimum-rbln 0.12's "
     "RBLNDecoderOnlyChunkedMultimodalPrefillMixin builds the attention mask from position 0)"

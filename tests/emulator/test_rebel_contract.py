@@ -47,8 +47,9 @@ EXCLUDED_PATHS: dict[str, str] = {
     "vllm_rbln/v1/worker/dynamic_kv_sizer.py": "the vLLM-model path's dynamic KV sizing "
     "(Runtime.reset_adaptive_buffers)",
 }
-# Names optimum-rbln uses for models beyond the model zoo rbln-ray serves (rbln_ray.compile.zoo:
-# its sliding-window, MoE, attention-sink and FP8-KV ops are emulated and so checked here).
+# Names optimum-rbln uses for models beyond the families rbln-ray serves
+# (rbln_ray.families.registry: its sliding-window, MoE, attention-sink and FP8-KV ops are
+# emulated and so checked here).
 # Name pattern -> reason.
 EXCLUDED_NAMES: dict[str, str] = {
     r"^rebel\.Runtime\._index_to_input_name$": "Qwen3.5 runtime (hybrid linear attention)",

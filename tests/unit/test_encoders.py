@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from rbln_ray.compile.encoders import (
+from rbln_ray.compile.encoders import EncoderArtifact, EncoderArtifactError
+from rbln_ray.families.registry import (
     ENCODERS,
-    EncoderArtifact,
-    EncoderArtifactError,
+    UnsupportedModelError,
     encoder_for_dir,
+    family_for_architectures,
 )
-from rbln_ray.compile.zoo import UnsupportedModelError, family_for_architectures
 from rbln_ray.models import build_tiny_encoder
 
 

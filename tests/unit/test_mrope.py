@@ -12,11 +12,17 @@ import torch
 from transformers import Qwen2VLConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 
-from rbln_ray.vllm_plugin.mrope import image_grids, mrope_positions, positions_span
+# vLLM's own classes (and the family module, which declares Qwen2-VL to vLLM) are imported
+# inside the tests: importing vllm.multimodal at collection (before the session fixture
+# selects the emulator) would resolve vLLM's platform as plain CPU for every later test of
+# the session.
 
-# vLLM's own classes are imported inside the tests: importing vllm.multimodal at collection
-# (before the session fixture selects the emulator) would resolve vLLM's platform as plain
-# CPU for every later test of the session.
+
+def _qwen2_vl():
+    from rbln_ray.families import qwen2_vl
+
+    return qwen2_vl
+
 
 IMAGE, VIDEO, START = 9, 8, 7  # token ids of <|image_pad|>, <|video_pad|>, <|vision_start|>
 MERGE = 2
@@ -61,12 +67,12 @@ LAYOUTS = [
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_positions_and_delta_are_transformers(layout: list) -> None:
     tokens, grids, want, want_delta = reference(layout)
-    got, delta = mrope_positions(len(tokens), grids, MERGE)
+    got, delta = _qwen2_vl().mrope_positions(len(tokens), grids, MERGE)
     assert torch.equal(got, want) and delta == want_delta
     # a generated token at KV position p has position p + delta in all three dimensions,
     # which is where transformers' decode puts it (cache_position + rope_deltas)
     assert (
-        positions_span(got, delta, len(tokens), len(tokens) + 2).tolist()
+        _qwen2_vl().positions_span(got, delta, len(tokens), len(tokens) + 2).tolist()
         == [[len(tokens) + delta, len(tokens) + 1 + delta]] * 3
     )
 
@@ -96,11 +102,11 @@ def _feature(offset: int, h: int, w: int, keep_pixels: bool):
 def test_the_vllm_declaration_gives_the_same_positions_from_features() -> None:
     """vLLM's M-RoPE contract on rbln-ray's Qwen2-VL declaration, with one image's pixels
     already dropped by the prefix cache (its grid is kept on the CPU for exactly this)."""
-    from rbln_ray.vllm_plugin.vision_models import RBLNQwen2VLDeclaration
+    from rbln_ray.families.qwen2_vl import RBLNQwen2VLDeclaration
 
     tokens, grids, want, want_delta = reference(LAYOUTS[3])
     features = [_feature(o, h, w, keep_pixels=i == 1) for i, (o, _, h, w) in enumerate(grids)]
-    assert image_grids(features[::-1]) == grids  # prompt order, whatever the list order
+    assert _qwen2_vl().image_grids(features[::-1]) == grids  # prompt order, whatever the list order
     config = Qwen2VLConfig(vision_config={"spatial_merge_size": MERGE})
     vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=config))
     declaration = RBLNQwen2VLDeclaration(vllm_config=vllm_config)
@@ -110,10 +116,10 @@ def test_the_vllm_declaration_gives_the_same_positions_from_features() -> None:
 
 def test_a_chunk_takes_its_slice_and_generated_tokens_continue_after_delta() -> None:
     tokens, grids, want, delta = reference([100, (16, 16), 40])
-    positions, _ = mrope_positions(len(tokens), grids, MERGE)
-    assert torch.equal(positions_span(positions, delta, 128, 160), want[:, 128:160])
+    positions, _ = _qwen2_vl().mrope_positions(len(tokens), grids, MERGE)
+    assert torch.equal(_qwen2_vl().positions_span(positions, delta, 128, 160), want[:, 128:160])
     # a preempted request prefills prompt + generated tokens again: past the prompt, p + delta
-    span = positions_span(positions, delta, 128, len(tokens) + 3)
+    span = _qwen2_vl().positions_span(positions, delta, 128, len(tokens) + 3)
     assert torch.equal(span[:, : len(tokens) - 128], want[:, 128:])
     assert (
         span[:, len(tokens) - 128 :].tolist() == [[len(tokens) + i + delta for i in range(3)]] * 3
@@ -122,8 +128,8 @@ def test_a_chunk_takes_its_slice_and_generated_tokens_continue_after_delta() -> 
 
 def test_bad_layouts_are_errors() -> None:
     with pytest.raises(ValueError, match="frames"):
-        mrope_positions(10, [(0, 2, 4, 4)], MERGE)
+        _qwen2_vl().mrope_positions(10, [(0, 2, 4, 4)], MERGE)
     with pytest.raises(ValueError, match="overlap"):
-        mrope_positions(20, [(0, 1, 4, 4), (2, 1, 4, 4)], MERGE)
+        _qwen2_vl().mrope_positions(20, [(0, 1, 4, 4), (2, 1, 4, 4)], MERGE)
     with pytest.raises(ValueError, match="past the prompt"):
-        mrope_positions(3, [(0, 1, 4, 4)], MERGE)
+        _qwen2_vl().mrope_positions(3, [(0, 1, 4, 4)], MERGE)

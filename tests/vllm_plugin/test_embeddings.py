@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from rbln_ray.compile.encoders import ENCODERS
+from rbln_ray.families.registry import ENCODERS
 from rbln_ray.models import build_tiny_encoder
 from tests.embeddings import QUERY, TEXTS, assert_embeddings_match
 from tests.helpers import EMBED_MAX_LEN, vllm_embeddings

@@ -22,7 +22,7 @@ import json
 import pytest
 
 from rbln_ray.models import build_tiny_vlm
-from rbln_ray.models.vision import IMAGE_PLACEHOLDER
+from rbln_ray.models.vision import image_placeholder
 from tests.helpers import SCRIPTS, run_python
 from tests.vision import compiled_vlm, hf_vlm_greedy, image_spec, make_image
 
@@ -39,7 +39,7 @@ def chat(body: str) -> str:
 def requests_of(family: str) -> list:
     """(prompt, images) of the first engine of ``family``: ``<image>`` stands for the
     family's image placeholder."""
-    img = IMAGE_PLACEHOLDER[family]
+    img = image_placeholder(family)
     requests = [
         (chat("<image>describe the image"), [image_spec(1)]),
         (chat("no image here, only text"), []),
@@ -56,7 +56,7 @@ def requests_of(family: str) -> list:
 def cached_of(family: str) -> list:
     """Same text, different images at the start: their first 128-token blocks differ by the
     image."""
-    text = IMAGE_PLACEHOLDER[family] + "y = 2\n" * 40 + "what now?"
+    text = image_placeholder(family) + "y = 2\n" * 40 + "what now?"
     return [(chat(text), [image_spec(6)]), (chat(text), [image_spec(8)])]
 
 

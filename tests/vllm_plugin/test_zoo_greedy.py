@@ -18,9 +18,10 @@ import random
 
 import pytest
 
-from rbln_ray.compile.zoo import FAMILIES, GREEDY_TEST, sliding_window_used
+from rbln_ray.families.registry import DECODERS as FAMILIES
+from rbln_ray.families.registry import GREEDY_TEST
+from rbln_ray.families.tiny import DEFAULT_WINDOW
 from rbln_ray.models import build_tiny_model
-from rbln_ray.models.builder import DEFAULT_WINDOW
 from tests.helpers import (
     SCRIPTS,
     compiled_model,
@@ -170,7 +171,7 @@ def test_family_greedy_matches_transformers(
     history = result["rpc"]["step_stats"][0]["history"]
     assert count_refills(history) >= 1, "no prefill ran while other requests were decoding"
     config = json.loads((hf_dir / "config.json").read_text())
-    sliding = sliding_window_used(FAMILIES[family], config)
+    sliding = FAMILIES[family].sliding_window_used(config)
     resumable = FAMILIES[family].prefill_resumable
     assert result["config"]["enable_prefix_caching"] is not (sliding or not resumable)
     prefills: dict[str, list[int]] = {}

@@ -1,6 +1,6 @@
-"""The model-zoo table: the README's support matrix, the verification claims it makes, the
-architecture lookup, clear errors for unsupported models and rejected config values, and the
-sliding-window cache slots."""
+"""The family registry: the README's support matrices, the verification claims they make, the
+architecture lookup, the family modules' contract, clear errors for unsupported models and
+rejected config values, and the sliding-window cache slots."""
 
 from __future__ import annotations
 
@@ -13,16 +13,18 @@ from pathlib import Path
 import pytest
 
 from rbln_ray.cli.main import main as cli_main
-from rbln_ray.compile.vision import VISION_FAMILIES, vision_family_for_dir
-from rbln_ray.compile.zoo import (
-    FAMILIES,
+from rbln_ray.families import matrix
+from rbln_ray.families.registry import (
+    DECODERS,
+    ENCODERS,
     GREEDY_TEST,
     LLM_GREEDY_TEST,
-    UNVERIFIED,
+    UNSUPPORTED,
+    VISION,
     UnsupportedModelError,
     family_for_dir,
     get_rbln_model_info,
-    support_matrix,
+    vision_for_dir,
 )
 from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK
 from rbln_ray.vllm_plugin.kv_slots import SlotManager
@@ -40,11 +42,12 @@ def _cli_logging_per_test() -> Iterator[None]:
     logger.handlers[:], logger.propagate, logger.level = saved[0], saved[1], saved[2]
 
 
-def test_readme_support_matrix_is_the_table() -> None:
+@pytest.mark.parametrize("kind", ["decoders", "encoders", "vision"])
+def test_readme_support_matrices_are_the_registry(kind: str) -> None:
     readme = (ROOT / "README.md").read_text()
-    assert support_matrix() in readme, (
-        "README.md's support matrix differs from rbln_ray.compile.zoo; paste "
-        "`python -c 'from rbln_ray.compile.zoo import support_matrix; print(support_matrix())'`"
+    assert matrix.matrices()[kind] in readme, (
+        f"README.md's {kind} matrix differs from rbln_ray.families.registry; paste `python -c "
+        f"'from rbln_ray.families import matrix; print(matrix.matrices()[\"{kind}\"])'`"
     )
 
 
@@ -60,10 +63,14 @@ def test_every_verified_claim_is_a_test_case() -> None:
         if m.name == "parametrize"
         for f, a in m.args[1]
     }
-    claims = {ref for fam in FAMILIES.values() for ref in fam.verified_by.values()}
+    claims = {ref for fam in DECODERS.values() for ref in fam.verified_by.values()}
     assert claims <= zoo_cases | llm_cases, claims - (zoo_cases | llm_cases)
-    # every family is verified under at least one attention implementation
-    assert all(fam.verified_by for fam in FAMILIES.values())
+    # every family is verified under at least one attention implementation, and the tests
+    # named by the other kinds' records exist
+    assert all(fam.verified_by for fam in DECODERS.values())
+    for fam in [*ENCODERS.values(), *VISION.values()]:
+        for ref in fam.verified_by.values():
+            assert (ROOT / ref.partition("::")[0]).is_file(), (fam.name, ref)
 
 
 def test_get_rbln_model_info_and_lookup_errors(tmp_path: Path) -> None:
@@ -75,8 +82,9 @@ def test_get_rbln_model_info_and_lookup_errors(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModelError) as err:
         family_for_dir(tmp_path)
     message = str(err.value)
-    assert UNVERIFIED["MidmLMHeadModel"] in message  # says why
-    assert all(f.architecture in message for f in FAMILIES.values())  # and what works
+    assert UNSUPPORTED["MidmLMHeadModel"] in message  # says why
+    assert all(f.architecture in message for f in DECODERS.values())  # and what works
+    assert all(f.architecture in message for f in VISION.values())
 
 
 @pytest.mark.parametrize("arch", ["Phi3ForCausalLM", "MidmLMHeadModel", None])
@@ -133,7 +141,7 @@ def test_slot_manager_pins_lowest_free_slot_until_the_request_leaves() -> None:
         SlotManager(0)
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", list(DECODERS))
 def test_build_model_builds_every_family_as_the_table_says(
     tmp_path: Path, capsys: pytest.CaptureFixture, name: str
 ) -> None:
@@ -144,7 +152,7 @@ def test_build_model_builds_every_family_as_the_table_says(
     assert cli_main([*args, "--num-kv-heads", "1", "--intermediate-size", "128"]) == 0
     assert capsys.readouterr().out.strip() == str(out)
     config = json.loads((out / "config.json").read_text())
-    family = FAMILIES[name]
+    family = DECODERS[name]
     assert (config["architectures"], config["model_type"]) == (
         [family.architecture],
         family.model_type,
@@ -153,7 +161,7 @@ def test_build_model_builds_every_family_as_the_table_says(
     assert get_rbln_model_info(config) == (name, family.optimum_class)
 
 
-@pytest.mark.parametrize("name", ["llava", "qwen2-vl"])
+@pytest.mark.parametrize("name", list(VISION))
 def test_build_model_builds_every_vision_language_family(
     tmp_path: Path, capsys: pytest.CaptureFixture, name: str
 ) -> None:
@@ -161,19 +169,58 @@ def test_build_model_builds_every_vision_language_family(
     image processor and the chat template vLLM's multimodal processor loads (offline, without
     torchvision), recognised as its family."""
     from rbln_ray.compile.vision import load_hf_processor
-    from rbln_ray.models.vision import IMAGE_PLACEHOLDER
+    from rbln_ray.models.vision import image_placeholder
 
-    family = VISION_FAMILIES[name.replace("-", "_")]
-    assert set(VISION_FAMILIES) == {"llava", "qwen2_vl"}  # the parametrization covers them
+    family = VISION[name]
     out = tmp_path / name
     assert cli_main(["build-model", name, "--out", str(out), "--num-layers", "1"]) == 0
     assert capsys.readouterr().out.strip() == str(out)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [family.architecture]
     assert config["text_config"]["num_hidden_layers"] == 1
-    assert vision_family_for_dir(out) is family
+    assert vision_for_dir(out) is family
     processor = load_hf_processor(out)
-    assert processor.image_token in IMAGE_PLACEHOLDER[family.name] and processor.chat_template
+    assert processor.image_token in image_placeholder(name) and processor.chat_template
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert IMAGE_PLACEHOLDER[family.name] in prompt
+    assert image_placeholder(name) in prompt
+
+
+def test_every_record_names_real_classes_and_consumers_read_the_registry() -> None:
+    """Each record's optimum-rbln classes exist in the installed optimum-rbln and its
+    transformers architecture in transformers; ``rbln-ray build-model`` offers exactly the
+    registry's families; vLLM gets a declaration for exactly the records that name one."""
+    import optimum.rbln
+    import transformers
+
+    from rbln_ray.cli.main import parser
+    from rbln_ray.families.registry import FAMILIES
+    from rbln_ray.vllm_plugin import declarations
+
+    for fam in FAMILIES.values():
+        assert hasattr(optimum.rbln, fam.optimum_class), fam.optimum_class
+        assert hasattr(transformers, fam.architecture), fam.architecture
+    for fam in VISION.values():
+        assert hasattr(optimum.rbln, fam.vision_tower), fam.vision_tower
+        assert fam.language_family in DECODERS
+    build = parser()._subparsers._group_actions[0].choices["build-model"]
+    (choice,) = [a for a in build._actions if a.dest == "family"]
+    assert set(choice.choices) == {*FAMILIES, "demo"}
+    assert set(declarations()) == {f.architecture for f in VISION.values() if f.declaration}
+
+
+@pytest.mark.parametrize("name", list(VISION))
+def test_each_vision_family_module_keeps_the_module_contract(name: str) -> None:
+    """What the builder, the compile, the runner and vLLM's registry take from a family's
+    module (rbln_ray.families.vision_base) is there."""
+    from rbln_ray.families.vision_base import Declaration, PromptEmbedder
+    from rbln_ray.vllm_plugin import declarations
+
+    fam = VISION[name]
+    code = fam.code()
+    assert code.__name__ == f"rbln_ray.families.{name}"  # one module, named after the family
+    assert code.PLACEHOLDER and set(code.SPECIAL_TOKENS) and callable(code.tiny_model)
+    assert issubclass(code.Embedder, PromptEmbedder)
+    if fam.declaration:
+        module, _, cls = declarations()[fam.architecture].partition(":")
+        assert module == code.__name__ and issubclass(getattr(code, cls), Declaration)

@@ -1,37 +1,43 @@
-"""Prompt embeddings of a vision-language request: token embeddings with every image's
-features at its placeholder positions; and the extra inputs a family's compiled decoder takes.
+"""What every vision-language family module builds on: the prompt embeddings the RBLN runner
+feeds a compiled decoder, and the never-run model class vLLM's registry inspects.
 
-Why here and not in vLLM's encoder cache: optimum-rbln compiles the vision tower and the
-projector as their own graphs (one image per call) and the language model's prefill takes
-``inputs_embeds`` (ARCHITECTURE §4). vLLM's multimodal processor has already expanded each
-image into its placeholder tokens and preprocessed its pixels (``MultiModalFeatureSpec``:
-the processed tensors and the placeholder range), so a prompt's embeddings are computed once,
-when its first prefill chunk runs, and every chunk (and a prefix-cache resume) slices them.
-The embedding of token ids is the language model's own host-side table (optimum keeps
-``embed_tokens`` on the host when it compiles with ``use_inputs_embeds``).
+Why here: optimum-rbln compiles the vision tower and the projector as their own graphs (one
+image per call) and the language model's prefill takes ``inputs_embeds`` (ARCHITECTURE §4).
+vLLM's multimodal processor has already expanded each image into its placeholder tokens and
+preprocessed its pixels (``MultiModalFeatureSpec``: the processed tensors and the placeholder
+range), so a prompt's embeddings are computed once, when its first prefill chunk runs, and
+every chunk (and a prefix-cache resume) slices them. The embedding of token ids is the
+language model's own host-side table (optimum keeps ``embed_tokens`` on the host when it
+compiles with ``use_inputs_embeds``).
 
-Families differ in where the decoder is, how an image becomes features, and what else each
-prefill chunk and decode step passes: :func:`prompt_embedder` picks the family's embedder
-(LLaVA's below; Qwen2-VL's, with its M-RoPE position embeddings, in :mod:`.qwen2_vl_inputs`),
-and the model runner merges :meth:`PromptEmbedder.prefill_inputs` /
-:meth:`PromptEmbedder.decode_inputs` into its device calls.
+On RBLN the model runs through optimum-rbln, so vLLM only needs, per architecture, what its
+front end uses: the multimodal processor and a class that declares multimodal support
+(:class:`Declaration`). A family whose vLLM module cannot be imported here (it needs
+torchvision, which the project venv cannot have) registers its own declaration through
+vLLM's public ``ModelRegistry.register_model`` (:func:`rbln_ray.vllm_plugin.register_models`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
+# Where an HF directory keeps its image processor's settings (transformers 4, 5).
+PREPROCESSOR_CONFIG, PROCESSOR_CONFIG = "preprocessor_config.json", "processor_config.json"
+
 
 class PromptEmbedder:
-    """Builds and holds the input embeddings of the prompts in prefill (LLaVA's recipe:
-    the vision tower and projector of ``get_image_features``, a ``language_model``
-    submodule as the decoder)."""
+    """Builds and holds the input embeddings of the prompts in prefill; a family's module
+    subclasses it with how an image becomes features and what else its decoder takes.
+    The decoder is the ``language_model`` submodule unless the family says otherwise."""
 
     def __init__(self, model: Any) -> None:
         # an optimum-rbln vision-language model (e.g. RBLNLlavaForConditionalGeneration)
@@ -100,27 +106,50 @@ class PromptEmbedder:
         embeds[span] = image
 
     def _image_features(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One image's feature vectors from its processed tensors."""
-        pixels = data["pixel_values"]
-        if pixels.dim() == 3:  # one image: [C, H, W]
-            pixels = pixels.unsqueeze(0)
-        config = self.model.config
-        return self.model.get_image_features(
-            pixel_values=pixels,
-            vision_feature_layer=config.vision_feature_layer,
-            vision_feature_select_strategy=config.vision_feature_select_strategy,
-        )
+        """One image's feature vectors (one per placeholder token) from its processed
+        tensors: the family's compiled vision tower (and projector)."""
+        raise NotImplementedError
 
     def forget(self, req_id: str) -> None:
         """Drop a prompt's embeddings (its prefill is done, or it finished)."""
         self._embeds.pop(req_id, None)
 
 
-def prompt_embedder(model: Any, family: str) -> PromptEmbedder:
-    """The embedder of an optimum-rbln model of vision-language ``family``
-    (``rbln_ray.compile.vision.VISION_FAMILIES``)."""
-    if family == "qwen2_vl":
-        from rbln_ray.vllm_plugin.qwen2_vl_inputs import Qwen2VLPromptEmbedder
+def not_on_rbln(*_: Any, **__: Any) -> Any:
+    raise RuntimeError(
+        "rbln-ray's vision-language declarations are never run: the RBLN worker serves the "
+        "model through optimum-rbln"
+    )
 
-        return Qwen2VLPromptEmbedder(model)
-    return PromptEmbedder(model)
+
+class Declaration(nn.Module):
+    """What vLLM's model interface asks of a declaration, none of which runs on RBLN."""
+
+    def embed_input_ids(self, input_ids: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+        return not_on_rbln()
+
+    def embed_multimodal(self, **kwargs: object) -> Any:
+        return not_on_rbln()
+
+    def get_language_model(self) -> nn.Module:
+        return not_on_rbln()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, **kw: Any) -> Any:
+        return not_on_rbln()
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return not_on_rbln()
+
+
+def image_processor_settings(model_dir: str | Path) -> dict[str, Any]:
+    """An HF directory's saved image processor settings: ``preprocessor_config.json``, or
+    (as transformers 5 saves a processor) the ``image_processor`` of
+    ``processor_config.json``."""
+    path = Path(model_dir)
+    if (path / PREPROCESSOR_CONFIG).is_file():
+        return json.loads((path / PREPROCESSOR_CONFIG).read_text())
+    if (path / PROCESSOR_CONFIG).is_file():
+        settings = json.loads((path / PROCESSOR_CONFIG).read_text()).get("image_processor")
+        if settings:
+            return settings
+    raise FileNotFoundError(f"{path} has no image processor settings ({PREPROCESSOR_CONFIG})")

@@ -1,0 +1,3 @@
+"""What rbln-ray knows about each model family it serves: one registry record per family
+(:mod:`.registry`), the tiny-model recipes as data (:mod:`.tiny`), and one module per family
+that has code of its own (named after it, e.g. :mod:`.qwen2_vl`)."""

@@ -1,0 +1,177 @@
+"""LLaVA-1.5 on RBLN: a CLIP vision tower whose second-to-last layer's patch features (CLS
+dropped) go through a 2-layer MLP projector into a Llama language model, one fixed number of
+tokens per image whatever its size (the processor resizes and crops).
+
+Why rbln-ray declares it to vLLM itself: vLLM 0.30's ``llava`` module imports ``pixtral``,
+whose transformers image processor needs torchvision (the project venv has none), so the
+processor below and :class:`RBLNLlavaDeclaration` take its place (:mod:`.vision_base`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from transformers import BatchFeature, LlavaConfig, LlavaProcessor
+from vllm.config.multimodal import BaseDummyOptions
+from vllm.inputs import MultiModalDataDict
+from vllm.model_executor.models.interfaces import SupportsMultiModal
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
+from vllm.multimodal.parse import ImageProcessorItems, MultiModalDataItems
+from vllm.multimodal.processing import (
+    BaseDummyInputsBuilder,
+    BaseMultiModalProcessor,
+    BaseProcessingInfo,
+    PromptReplacement,
+    PromptUpdate,
+)
+
+from rbln_ray.families.registry import DECODERS
+from rbln_ray.families.tiny import decoder_config
+from rbln_ray.families.vision_base import Declaration, PromptEmbedder, not_on_rbln
+
+PLACEHOLDER = "<image>"  # what one image is in a prompt (and in the chat template)
+SPECIAL_TOKENS = [PLACEHOLDER]
+
+
+class LlavaProcessingInfo(BaseProcessingInfo):
+    """LLaVA-1.5: a CLIP tower; one feature vector per image patch (plus CLS with the
+    ``full`` feature strategy), whatever the input size (the processor resizes and crops)."""
+
+    def get_hf_config(self) -> LlavaConfig:
+        return self.ctx.get_hf_config(LlavaConfig)
+
+    def get_hf_processor(self, **kwargs: object) -> LlavaProcessor:
+        return self.ctx.get_hf_processor(LlavaProcessor, **kwargs)
+
+    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
+        return {"image": None}
+
+    def image_size(self) -> int:
+        return self.get_hf_config().vision_config.image_size
+
+    def tokens_per_image(self) -> int:
+        config = self.get_hf_config()
+        patches = (config.vision_config.image_size // config.vision_config.patch_size) ** 2
+        return patches + (config.vision_feature_select_strategy == "full")
+
+
+class LlavaDummyInputs(BaseDummyInputsBuilder[LlavaProcessingInfo]):
+    def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
+        return self.info.get_hf_processor().image_token * mm_counts.get("image", 0)
+
+    def get_dummy_mm_data(
+        self,
+        seq_len: int,
+        mm_counts: Mapping[str, int],
+        mm_options: Mapping[str, BaseDummyOptions],
+    ) -> MultiModalDataDict:
+        size = self.info.image_size()
+        images = self._get_dummy_images(
+            width=size,
+            height=size,
+            num_images=mm_counts.get("image", 0),
+            overrides=mm_options.get("image"),
+        )
+        return {"image": images}
+
+
+class LlavaMultiModalProcessor(BaseMultiModalProcessor[LlavaProcessingInfo]):
+    def _get_mm_fields_config(
+        self, hf_inputs: BatchFeature, hf_processor_mm_kwargs: Mapping[str, object]
+    ) -> Mapping[str, MultiModalFieldConfig]:
+        return {"pixel_values": MultiModalFieldConfig.batched("image")}
+
+    def _get_prompt_updates(
+        self,
+        mm_items: MultiModalDataItems,
+        hf_processor_mm_kwargs: Mapping[str, object],
+        out_mm_kwargs: MultiModalKwargsItems,
+    ) -> Sequence[PromptUpdate]:
+        image_token = self.info.get_hf_config().image_token_index
+        mm_items.get_items("image", ImageProcessorItems)  # pixels only, no precomputed embeds
+        replacement = [image_token] * self.info.tokens_per_image()
+        return [PromptReplacement(modality="image", target=[image_token], replacement=replacement)]
+
+
+class Embedder(PromptEmbedder):
+    """Image features from ``get_image_features`` (the compiled CLIP tower and projector)."""
+
+    def _image_features(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        pixels = data["pixel_values"]
+        if pixels.dim() == 3:  # one image: [C, H, W]
+            pixels = pixels.unsqueeze(0)
+        config = self.model.config
+        return self.model.get_image_features(
+            pixel_values=pixels,
+            vision_feature_layer=config.vision_feature_layer,
+            vision_feature_select_strategy=config.vision_feature_select_strategy,
+        )
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    LlavaMultiModalProcessor, info=LlavaProcessingInfo, dummy_inputs=LlavaDummyInputs
+)
+class RBLNLlavaDeclaration(Declaration, SupportsMultiModal):
+    """``LlavaForConditionalGeneration`` as vLLM's registry and front end see it on RBLN."""
+
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
+        if modality.startswith("image"):
+            return PLACEHOLDER
+        raise ValueError("only image inputs are supported")
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        not_on_rbln()
+
+
+def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """LLaVA-1.5's recipe at the spec's shape: CLIP tower, features of the second-to-last
+    layer without the CLS position, a GELU MLP projector, a Llama language model."""
+    import transformers
+
+    image_token_id = tokenizer.convert_tokens_to_ids(PLACEHOLDER)
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=spec.vision_hidden_size,
+        intermediate_size=2 * spec.vision_hidden_size,
+        num_hidden_layers=spec.vision_layers,
+        num_attention_heads=spec.vision_heads,
+        image_size=spec.image_size,
+        patch_size=spec.patch_size,
+        projection_dim=spec.vision_hidden_size,
+        initializer_range=spec.language.initializer_range,
+    )
+    text = decoder_config(
+        DECODERS[spec.language.family].tiny,
+        replace(spec.language, vocab_size=len(tokenizer)),
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
+    config = transformers.LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=image_token_id,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        image_seq_length=spec.image_tokens,
+        projector_hidden_act="gelu",
+        tie_word_embeddings=False,
+    )
+    image_processor = transformers.CLIPImageProcessorPil(
+        size={"shortest_edge": spec.image_size},
+        crop_size={"height": spec.image_size, "width": spec.image_size},
+    )
+    processor = transformers.LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=spec.patch_size,
+        vision_feature_select_strategy="default",
+        chat_template=tokenizer.chat_template,
+        image_token=PLACEHOLDER,
+        num_additional_image_tokens=1,  # CLIP's CLS position, dropped by "default"
+    )
+    return transformers.LlavaForConditionalGeneration(config), processor

@@ -1,0 +1,84 @@
+"""The README's support matrices, rendered from the registry (a test keeps the README's copies
+equal to these: ``tests/unit/test_families.py``)."""
+
+from __future__ import annotations
+
+from rbln_ray.families.registry import DECODERS, ENCODERS, VISION, Family
+
+
+def _test_id(family: Family, variant: str) -> str:
+    ref = family.verified_by.get(variant)
+    if not ref:
+        return "not verified"
+    file, _, case = ref.partition("::")
+    name = file.split("/")[-1]
+    return f"`{name}[{case.partition('[')[2]}`" if "[" in case else f"`{name}`"
+
+
+def decoder_matrix() -> str:
+    sliding = {
+        "full": "no",
+        "hybrid": "hybrid (per `layer_types`)",
+        "optional": "every layer, if `sliding_window` is set",
+    }
+    prefix_caching = {
+        "full": "on",
+        "hybrid": "off (sliding window)",
+        "optional": "on; off with a sliding window",
+    }
+    rows = [
+        "| family | HF architecture | sliding window | MoE | soft-capping | prefix caching "
+        "| chunked prefill | eager verified by | flash_attn verified by |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for f in DECODERS.values():
+        prefix = prefix_caching[f.attention]
+        if not f.prefill_resumable:
+            prefix = "off (prefill restarts at 0)"
+        moe = ("yes, MXFP4" if f.moe.endswith("mxfp4") else "yes") if f.moe else "no"
+        rows.append(
+            f"| {f.name} | `{f.architecture}` | {sliding[f.attention]} | {moe} "
+            f"| {f.softcap or 'no'} | {prefix} "
+            f"| {'on' if f.prefill_resumable else 'off (whole prompt)'} "
+            f"| {_test_id(f, 'eager')} | {_test_id(f, 'flash_attn')} |"
+        )
+    return "\n".join(rows)
+
+
+def encoder_matrix() -> str:
+    tasks = {
+        "embed": "`embed`, `/v1/score` (cosine)",
+        "classify": "`classify`, `/v1/score`, `/v1/rerank` (cross-encoder)",
+    }
+    rows = [
+        "| family | HF architecture | optimum-rbln class | tasks | e.g. | verified by |",
+        "|---|---|---|---|---|---|",
+    ]
+    for f in ENCODERS.values():
+        rows.append(
+            f"| {f.name} | `{f.architecture}` | `{f.optimum_class}` | {tasks[f.task]} "
+            f"| {f.examples} | {_test_id(f, '')} |"
+        )
+    return "\n".join(rows)
+
+
+def vision_matrix() -> str:
+    rows = [
+        "| family | HF architecture | optimum-rbln class | vision tower | language model "
+        "| images | videos | prefix caching | chunked prefill | verified by |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for f in VISION.values():
+        on = {True: "on", False: "off"}
+        rows.append(
+            f"| {f.name} | `{f.architecture}` | `{f.optimum_class}` | `{f.vision_tower}` "
+            f"| {f.language_family} | {'yes' if 'image' in f.inputs else 'no'} "
+            f"| {'yes' if 'video' in f.inputs else 'no'} | {on[f.prefix_caching]} "
+            f"| {on[f.chunked_prefill]} | {_test_id(f, '')} |"
+        )
+    return "\n".join(rows)
+
+
+def matrices() -> dict[str, str]:
+    """Every support matrix, by what it lists."""
+    return {"decoders": decoder_matrix(), "encoders": encoder_matrix(), "vision": vision_matrix()}

@@ -1,0 +1,545 @@
+"""The family registry: every model family rbln-ray serves, one record each.
+
+Why one registry for every kind (decoders, encoders, vision-language models): the loader,
+``rbln-ray compile``, ``rbln-ray build-model``, the platform and the README's support
+matrices all ask "is this model supported, how is it compiled, what does it support, how is
+a tiny one built, which test verifies it"; they read it here, so they cannot disagree
+(``tests/unit/test_families.py`` renders the matrices and compares them with the README).
+A family with code of its own (a processor subclass, vLLM's view of a vision-language
+architecture, how its prompts become embeddings) has one module named after it in this
+package, which its record names (``module``). :func:`get_rbln_model_info` is the lookup
+Rebellions' vllm-rbln exposes under the same name (``utils/optimum/registry.py``).
+
+A family is *supported* when a tiny model of it, built locally by :mod:`rbln_ray.models`,
+compiled with optimum-rbln 0.12 on the emulator and served by ``vllm.LLM`` is greedy
+token-exact against transformers (pooling models: equal to plain vLLM-CPU); ``verified_by``
+names the test. Architectures optimum-rbln compiles that rbln-ray cannot build here, and so
+cannot verify, are in :data:`UNSUPPORTED` with the reason; they are refused with it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, ClassVar
+
+from rbln_ray.common.artifact_files import HF_CONFIG, architectures
+from rbln_ray.families.tiny import TinyRecipe
+
+GREEDY_TEST = "tests/vllm_plugin/test_zoo_greedy.py::test_family_greedy_matches_transformers"
+# The four decoder families verified before the zoo, by the original greedy test.
+LLM_GREEDY_TEST = "tests/vllm_plugin/test_llm_greedy.py::test_llm_greedy_matches_transformers"
+EMBED_TEST = "tests/vllm_plugin/test_embeddings.py"
+VISION_TEST = "tests/vllm_plugin/test_vision_language.py"
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture is not one rbln-ray serves."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """What every kind of family has."""
+
+    kind: ClassVar[str] = ""
+    name: str  # rbln-ray's family name (``rbln-ray build-model <name>``)
+    architecture: str  # transformers class, ``config.json`` ``architectures[0]``
+    optimum_class: str  # the optimum-rbln class that compiles and runs it
+    # variant (attention implementation, or "" for one) -> the test that verifies it
+    verified_by: Mapping[str, str] = field(default_factory=dict)
+    notes: str = ""
+    module: str = ""  # the family's own module in this package, when it has code
+
+    @property
+    def config_class(self) -> str:
+        """The optimum-rbln config class an artifact's ``rbln_config.json`` records."""
+        return self.optimum_class + "Config"
+
+    def code(self) -> ModuleType:
+        """The family's own module (imported on first use: it may import vLLM)."""
+        if not self.module:
+            raise LookupError(f"family {self.name} has no module of its own")
+        return importlib.import_module(f"rbln_ray.families.{self.module}")
+
+
+@dataclass(frozen=True)
+class DecoderFamily(Family):
+    """A decoder-only family optimum-rbln 0.12 exports as a causal LM."""
+
+    kind: ClassVar[str] = "decoder"
+    model_type: str = ""  # ``config.json`` ``model_type``
+    # Attention of the family's checkpoints: "full"; "hybrid" (some layers use a
+    # sliding-window KV cache, compiled to paged_sliding_window_attn_*); "optional" (every
+    # layer slides when config.json sets sliding_window, optimum's cache_impl
+    # "sliding_window"; else full).
+    attention: str = "full"
+    softcap: str = ""  # logit soft-capping optimum compiles for the family, if any
+    moe: str = ""  # "" or how experts are compiled (custom_moe_glu[_mxfp4])
+    # The compiled prefill can start at a multiple of prefill_chunk_size other than 0, which
+    # chunked prefill across steps and prefix caching need. False for RBLNGemma3ForCausalLM:
+    # its prefill (RBLNDecoderOnlyChunkedMultimodalPrefillMixin) builds the attention mask
+    # from position 0 whatever cache_position says.
+    prefill_resumable: bool = True
+    # rbln_config entries the family is always compiled with (see README, "Model zoo")
+    compile_extra: Mapping[str, Any] = field(default_factory=dict)
+    # load the checkpoint in its own dtype (optimum-rbln forces bfloat16 for gpt-oss)
+    checkpoint_dtype: bool = False
+    # config.json keys optimum-rbln 0.12 compiles without error but does not honour -> why
+    ignored_config: Mapping[str, str] = field(default_factory=dict)
+    tiny: TinyRecipe = field(default_factory=lambda: TinyRecipe("LlamaConfig"))
+
+    def compile_options(self, hf_config: Mapping[str, Any]) -> tuple[dict, dict]:
+        """(extra ``rbln_config`` entries, extra Hugging Face loading options)."""
+        hf_kwargs = {}
+        if self.checkpoint_dtype:
+            dtype = hf_config.get("dtype") or hf_config.get("torch_dtype")
+            hf_kwargs = {"dtype": dtype} if dtype else {}
+        return dict(self.compile_extra), hf_kwargs
+
+    def caveats(self, hf_config: Mapping[str, Any]) -> list[str]:
+        """Config values optimum-rbln 0.12 compiles without error but does not honour."""
+        return [
+            f"{key}={hf_config[key]} is not compiled ({why})"
+            for key, why in self.ignored_config.items()
+            if hf_config.get(key) is not None
+        ]
+
+    def sliding_window_used(self, hf_config: Mapping[str, Any]) -> bool:
+        """Whether a model of this family with this ``config.json`` compiles sliding-window
+        layers (and so serves without prefix caching)."""
+        if self.attention == "hybrid":
+            return True
+        return self.attention == "optional" and hf_config.get("sliding_window") is not None
+
+
+@dataclass(frozen=True)
+class EncoderFamily(Family):
+    """An encoder optimum-rbln 0.12 compiles, served for embeddings or scores: one graph of
+    ``[batch, max_seq_len]`` tokens, pooling on the host in vLLM's own pooler."""
+
+    kind: ClassVar[str] = "encoder"
+    input_names: tuple[str, ...] = ("input_ids", "attention_mask")  # graph inputs, in order
+    # "embed" (every position's hidden state; vLLM pools and normalises) or "classify" (the
+    # classifier's logits, head included: a cross-encoder's score, /v1/score and /v1/rerank)
+    task: str = "embed"
+    tiny: TinyRecipe = field(default_factory=lambda: TinyRecipe("BertConfig"))
+    examples: str = ""  # real checkpoints of the family, for the README
+
+
+@dataclass(frozen=True)
+class VisionFamily(Family):
+    """An image-text-to-text family: optimum-rbln compiles the vision tower (and projector)
+    and a decoder that takes ``inputs_embeds``; its module holds the rest (processor, vLLM's
+    view, prompt embeddings, tiny recipe)."""
+
+    kind: ClassVar[str] = "vision"
+    vision_tower: str = ""  # the optimum-rbln class that encodes an image
+    language_family: str = ""  # the decoder family of its language model
+    # The submodule (and nested rbln_config key) holding the decoder; "" when the artifact's
+    # top level is the decoder (Qwen2-VL).
+    language_submodule: str = "language_model"
+    # The vision tower's submodule, when it takes compile settings of its own.
+    vision_submodule: str = ""
+    inputs: tuple[str, ...] = ("image",)  # media a prompt may carry
+    prefix_caching: bool = True
+    chunked_prefill: bool = True
+    # The class of the family's module vLLM's registry gets for the architecture when vLLM's
+    # own module cannot be imported here ("": vLLM's own serves the front end).
+    declaration: str = ""
+
+
+def _zoo(name: str, arch: str, optimum: str, model_type: str, **kw: Any) -> DecoderFamily:
+    verified = kw.pop("verified_by", None) or {
+        impl: f"{GREEDY_TEST}[{name}-{impl}]" for impl in ("eager", "flash_attn")
+    }
+    return DecoderFamily(name, arch, optimum, verified, model_type=model_type, **kw)
+
+
+HEAD_DIM, WINDOW, HYBRID = "$head_dim", "$window", "$hybrid"
+MOE_TOP_K = {"num_experts_per_tok": "$experts_per_token"}
+# RoBERTa-style encoders, as the released checkpoints' configs: positions start after the
+# padding id (514 for 512 tokens when it is 1), one segment, one relevance logit (rerankers),
+# and position_embedding_type, which transformers 5 no longer writes but vLLM 0.30 reads to
+# tell Jina's rotary XLM-R apart.
+ROBERTA = {
+    "max_position_embeddings": "$roberta_positions",
+    "type_vocab_size": 1,
+    "bos_token_id": "$bos",
+    "eos_token_id": "$eos",
+    "num_labels": 1,
+    "position_embedding_type": "absolute",
+}
+
+_FAMILIES: tuple[Family, ...] = (
+    # ---------------------------------------------------------------- decoders
+    _zoo(
+        "llama",
+        "LlamaForCausalLM",
+        "RBLNLlamaForCausalLM",
+        "llama",
+        verified_by={impl: f"{LLM_GREEDY_TEST}[llama-{impl}]" for impl in ("eager", "flash_attn")},
+    ),
+    _zoo(
+        "qwen2",
+        "Qwen2ForCausalLM",
+        "RBLNQwen2ForCausalLM",
+        "qwen2",
+        verified_by={
+            "eager": f"{LLM_GREEDY_TEST}[qwen2-eager]",
+            "flash_attn": f"{GREEDY_TEST}[qwen2-flash_attn]",
+        },
+        tiny=TinyRecipe("Qwen2Config"),
+    ),
+    _zoo(
+        "qwen3",
+        "Qwen3ForCausalLM",
+        "RBLNQwen3ForCausalLM",
+        "qwen3",
+        verified_by={
+            "eager": f"{GREEDY_TEST}[qwen3-eager]",
+            "flash_attn": f"{LLM_GREEDY_TEST}[qwen3-flash_attn]",
+        },
+        tiny=TinyRecipe("Qwen3Config", {"head_dim": HEAD_DIM}),
+    ),
+    _zoo(
+        "mistral",
+        "MistralForCausalLM",
+        "RBLNMistralForCausalLM",
+        "mistral",
+        attention="optional",
+        notes="verified with sliding_window set (every layer slides)",
+        tiny=TinyRecipe("MistralConfig", {"sliding_window": "$sliding_window"}),
+    ),
+    _zoo(
+        "gemma",
+        "GemmaForCausalLM",
+        "RBLNGemmaForCausalLM",
+        "gemma",
+        tiny=TinyRecipe("GemmaConfig", {"head_dim": HEAD_DIM}),
+    ),
+    _zoo(
+        "gemma2",
+        "Gemma2ForCausalLM",
+        "RBLNGemma2ForCausalLM",
+        "gemma2",
+        attention="hybrid",
+        softcap="final logits",
+        ignored_config={
+            "attn_logit_softcapping": "optimum-rbln 0.12's attention ops have no soft-capping: "
+            "attention differs from transformers'"
+        },
+        notes="final-logit soft-capping compiled; attention-logit soft-capping is not "
+        "(optimum-rbln 0.12 drops attn_logit_softcapping): the tiny model sets it to None",
+        # optimum compiles no attention-logit soft-capping, so the tiny model has none
+        tiny=TinyRecipe(
+            "Gemma2Config",
+            {
+                "head_dim": HEAD_DIM,
+                "query_pre_attn_scalar": HEAD_DIM,
+                "sliding_window": WINDOW,
+                "layer_types": HYBRID,
+                "attn_logit_softcapping": None,
+                "final_logit_softcapping": 30.0,
+            },
+        ),
+    ),
+    _zoo(
+        "gemma3",
+        "Gemma3ForCausalLM",
+        "RBLNGemma3ForCausalLM",
+        "gemma3_text",
+        attention="hybrid",
+        prefill_resumable=False,
+        # optimum-rbln 0.12 forces use_attention_mask and use_position_ids on for Gemma3, and
+        # without an image_prefill phase that compiles a *bidirectional* prefill, which a
+        # text-only causal LM is not; with the phases optimum's own
+        # RBLNGemma3ForConditionalGeneration gives its language model (embeddings on the
+        # host) the text prefill is causal.
+        compile_extra={
+            "phases": ["prefill", "image_prefill", "decode"],
+            "image_prefill_chunk_size": 256,  # RBLNGemma3ForCausalLMConfig's prefill chunk
+            "use_inputs_embeds": True,
+        },
+        notes="text-only; prompts are prefilled whole (no chunked prefill across steps)",
+        tiny=TinyRecipe(
+            "Gemma3TextConfig",
+            {
+                "head_dim": HEAD_DIM,
+                "query_pre_attn_scalar": HEAD_DIM,
+                "sliding_window": WINDOW,
+                "layer_types": HYBRID,
+            },
+        ),
+    ),
+    _zoo(
+        "gpt2",
+        "GPT2LMHeadModel",
+        "RBLNGPT2LMHeadModel",
+        "gpt2",
+        tiny=TinyRecipe(
+            "GPT2Config",
+            rename={
+                "hidden_size": "n_embd",
+                "num_hidden_layers": "n_layer",
+                "num_attention_heads": "n_head",
+                "intermediate_size": "n_inner",
+                "max_position_embeddings": "n_positions",
+            },
+            drop=("num_key_value_heads",),
+        ),
+    ),
+    _zoo(
+        "opt",
+        "OPTForCausalLM",
+        "RBLNOPTForCausalLM",
+        "opt",
+        tiny=TinyRecipe(
+            "OPTConfig",
+            {"word_embed_proj_dim": "$hidden_size"},
+            rename={"intermediate_size": "ffn_dim", "initializer_range": "init_std"},
+            drop=("num_key_value_heads",),
+        ),
+    ),
+    _zoo(
+        "phi",
+        "PhiForCausalLM",
+        "RBLNPhiForCausalLM",
+        "phi",
+        # Full multi-head attention and an MLP of 4 x hidden, as Phi-1/2 checkpoints have:
+        # vLLM 0.30's Phi reads neither num_key_value_heads nor intermediate_size.
+        tiny=TinyRecipe(
+            "PhiConfig",
+            {
+                "num_key_value_heads": "$num_heads",
+                "intermediate_size": "$hidden_x4",
+                "partial_rotary_factor": 0.5,
+            },
+            revision=2,
+        ),
+    ),
+    _zoo(
+        "mixtral",
+        "MixtralForCausalLM",
+        "RBLNMixtralForCausalLM",
+        "mixtral",
+        moe="custom_moe_glu",
+        tiny=TinyRecipe(
+            "MixtralConfig",
+            {
+                "intermediate_size": "$intermediate_half",
+                "num_local_experts": "$num_experts",
+                "sliding_window": None,
+                **MOE_TOP_K,
+            },
+        ),
+    ),
+    _zoo(
+        "qwen2_moe",
+        "Qwen2MoeForCausalLM",
+        "RBLNQwen2MoeForCausalLM",
+        "qwen2_moe",
+        moe="custom_moe_glu",
+        tiny=TinyRecipe(
+            "Qwen2MoeConfig",
+            {
+                "num_experts": "$num_experts",
+                "moe_intermediate_size": "$intermediate_quarter",
+                "shared_expert_intermediate_size": "$intermediate_half",
+                **MOE_TOP_K,
+            },
+        ),
+    ),
+    _zoo(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        "RBLNQwen3MoeForCausalLM",
+        "qwen3_moe",
+        moe="custom_moe_glu",
+        tiny=TinyRecipe(
+            "Qwen3MoeConfig",
+            {
+                "head_dim": HEAD_DIM,
+                "num_experts": "$num_experts",
+                "moe_intermediate_size": "$intermediate_quarter",
+                **MOE_TOP_K,
+            },
+        ),
+    ),
+    _zoo(
+        "gpt_oss",
+        "GptOssForCausalLM",
+        "RBLNGptOssForCausalLM",
+        "gpt_oss",
+        attention="hybrid",
+        moe="custom_moe_glu_mxfp4",
+        checkpoint_dtype=True,
+        notes="MXFP4 experts (custom_moe_glu_mxfp4), attention sinks",
+        tiny=TinyRecipe(
+            "GptOssConfig",
+            {
+                "intermediate_size": "$intermediate_half",
+                "head_dim": HEAD_DIM,
+                "num_local_experts": "$num_experts",
+                "sliding_window": WINDOW,
+                "layer_types": HYBRID,
+                **MOE_TOP_K,
+            },
+            checkpoint="mxfp4",
+        ),
+    ),
+    # ---------------------------------------------------------------- encoders
+    EncoderFamily(
+        "bert",
+        "BertModel",
+        "RBLNBertModel",
+        {"": EMBED_TEST},
+        input_names=("input_ids", "attention_mask", "token_type_ids"),
+        examples="all-MiniLM, bge-small",
+    ),
+    EncoderFamily(
+        "xlm-roberta",
+        "XLMRobertaModel",
+        "RBLNXLMRobertaModel",
+        {"": EMBED_TEST},
+        tiny=TinyRecipe("XLMRobertaConfig", ROBERTA, framing="roberta"),
+        examples="bge-m3, multilingual-e5",
+    ),
+    # Cross-encoder rerankers (no segment ids: RoBERTa has one)
+    EncoderFamily(
+        "xlm-roberta-reranker",
+        "XLMRobertaForSequenceClassification",
+        "RBLNXLMRobertaForSequenceClassification",
+        {"": EMBED_TEST},
+        task="classify",
+        tiny=TinyRecipe("XLMRobertaConfig", ROBERTA, framing="roberta"),
+        examples="bge-reranker-v2-m3",
+    ),
+    EncoderFamily(
+        "roberta-reranker",
+        "RobertaForSequenceClassification",
+        "RBLNRobertaForSequenceClassification",
+        {"": EMBED_TEST},
+        task="classify",
+        tiny=TinyRecipe("RobertaConfig", ROBERTA, framing="roberta"),
+    ),
+    # ---------------------------------------------------------------- vision-language
+    # llava-hf/llava-1.5-*: a CLIP vision tower, a 2-layer MLP projector, a Llama LM
+    VisionFamily(
+        "llava",
+        "LlavaForConditionalGeneration",
+        "RBLNLlavaForConditionalGeneration",
+        {"": VISION_TEST},
+        module="llava",
+        declaration="RBLNLlavaDeclaration",
+        vision_tower="RBLNCLIPVisionModel",
+        language_family="llama",
+    ),
+    # Qwen/Qwen2-VL-*: a ViT with 2-D rotary positions whose merger maps 2 x 2 patches to one
+    # token, and a Qwen2 LM with M-RoPE; images of any size (an image is a variable number of
+    # tokens).
+    VisionFamily(
+        "qwen2_vl",
+        "Qwen2VLForConditionalGeneration",
+        "RBLNQwen2VLForConditionalGeneration",
+        {"": VISION_TEST},
+        module="qwen2_vl",
+        declaration="RBLNQwen2VLDeclaration",
+        vision_tower="RBLNQwen2VisionTransformerPretrainedModel",
+        language_family="qwen2",
+        language_submodule="",
+        vision_submodule="visual",
+    ),
+)
+
+FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILIES}
+DECODERS: dict[str, DecoderFamily] = {f.name: f for f in _FAMILIES if isinstance(f, DecoderFamily)}
+ENCODERS: dict[str, EncoderFamily] = {f.name: f for f in _FAMILIES if isinstance(f, EncoderFamily)}
+VISION: dict[str, VisionFamily] = {f.name: f for f in _FAMILIES if isinstance(f, VisionFamily)}
+
+# optimum-rbln 0.12 classes rbln-ray does not serve, and why (refused with the reason).
+UNSUPPORTED: dict[str, str] = {
+    "ExaoneForCausalLM": "RBLNExaoneForCausalLM compiles EXAONE 3.x, whose modeling code is "
+    "Hub remote code only (transformers 5.15.1 ships exaone4/exaone4_5/exaone_moe, not "
+    "'exaone'), so no tiny model can be built here to verify it",
+    "MidmLMHeadModel": "RBLNMidmLMHeadModel compiles Mi:dm, whose modeling code is Hub remote "
+    "code only (no 'midm' in transformers 5.15.1), so no tiny model can be built here",
+    "Gemma4ForCausalLM": "RBLNGemma4ForCausalLM (per-layer inputs, heterogeneous KV caches) is "
+    "outside this zoo's scope",
+    "Qwen3_5ForCausalLM": "RBLNQwen3_5ForCausalLM needs hybrid linear attention "
+    "(rbln.tri_recur_update), which the emulator does not provide",
+}
+
+
+def family(name: str) -> Family:
+    """A family by its name (``-`` and ``_`` alike: ``qwen2-vl`` is ``qwen2_vl``)."""
+    found = FAMILIES.get(name) or FAMILIES.get(name.replace("-", "_"))
+    if found is None:
+        raise KeyError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
+    return found
+
+
+def family_for_architectures(archs: Iterable[str], where: str = "model") -> Family:
+    """The family of the first supported architecture, else an error naming the supported
+    ones (and why, for architectures rbln-ray refuses)."""
+    archs = list(archs)
+    by_arch = {f.architecture: f for f in _FAMILIES}
+    for arch in archs:
+        if arch in by_arch:
+            return by_arch[arch]
+    reasons = [f"{a}: {UNSUPPORTED[a]}" for a in archs if a in UNSUPPORTED]
+    raise UnsupportedModelError(
+        f"{where}: architecture {archs or 'unknown'} is not supported by rbln-ray"
+        + (f" ({'; '.join(reasons)})" if reasons else "")
+        + f"; supported: {', '.join(f.architecture for f in DECODERS.values())}"
+        + f"; for embeddings and scores: {', '.join(f.architecture for f in ENCODERS.values())}"
+        + f"; with images: {', '.join(f.architecture for f in VISION.values())}"
+    )
+
+
+def family_for_config(config: Mapping[str, Any] | Any, where: str = "model") -> Family:
+    archs = config.get("architectures") if isinstance(config, Mapping) else None
+    if archs is None and not isinstance(config, Mapping):
+        archs = getattr(config, "architectures", None)
+    return family_for_architectures(archs or [], where)
+
+
+def family_for_dir(model_dir: str | Path) -> Family:
+    """The family of an HF or compiled model directory (its ``config.json``)."""
+    path = Path(model_dir) / HF_CONFIG
+    if not path.is_file():
+        raise UnsupportedModelError(f"{model_dir}: no {HF_CONFIG}")
+    return family_for_config(json.loads(path.read_text()), where=str(model_dir))
+
+
+def kind_of_dir(model_dir: str | Path) -> Family | None:
+    """The family of a directory, or None when it declares no architecture rbln-ray knows."""
+    by_arch = {f.architecture: f for f in _FAMILIES}
+    return next((by_arch[a] for a in architectures(model_dir) if a in by_arch), None)
+
+
+def encoder_for_dir(model_dir: str | Path) -> EncoderFamily | None:
+    """The encoder family of a directory, or None for anything else."""
+    found = kind_of_dir(model_dir)
+    return found if isinstance(found, EncoderFamily) else None
+
+
+def vision_for_dir(model_dir: str | Path) -> VisionFamily | None:
+    """The vision-language family of a directory, or None for anything else."""
+    found = kind_of_dir(model_dir)
+    return found if isinstance(found, VisionFamily) else None
+
+
+def family_for_config_class(cls_name: str) -> Family | None:
+    """The family of a compiled artifact from its ``rbln_config.json`` ``cls_name``."""
+    return next((f for f in _FAMILIES if f.config_class == cls_name), None)
+
+
+def get_rbln_model_info(config: Mapping[str, Any] | Any) -> tuple[str, str]:
+    """(family name, optimum-rbln class name) of an HF config, as vllm-rbln's function of the
+    same name returns; raises :class:`UnsupportedModelError` naming the supported ones."""
+    f = family_for_config(config)
+    return f.name, f.optimum_class
