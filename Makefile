@@ -11,7 +11,7 @@ PEER_STAMP := $(PEER)/.peer-installed
 # Debian's Prometheus binary for the metrics test (its rule, below, says why there).
 PROMETHEUS := $(BIN)/prometheus
 
-.PHONY: setup install peer-env test test-fast lint demo clean ssh-test-tools
+.PHONY: setup install peer-env test test-fast test-smoke lint demo clean ssh-test-tools
 
 setup: install $(PEER_STAMP) ssh-test-tools $(PROMETHEUS)
 
@@ -84,9 +84,16 @@ TEST_WORKERS ?= 2
 test: setup lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
-# The in-process tier (tests/unit: no subprocess, no Ray, no device), well under 2 minutes.
+# The in-process tier (tests/unit, marker `fast`: no subprocess, no Ray, no device, the
+# upstream contracts included), well under 2 minutes.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests/unit
+	$(BIN)/python -m pytest -m fast
+
+# What to run before every push (3-5 minutes): the fast tier plus the `smoke` tests, one
+# engine on the emulator (vllm.LLM), one Serve app whose replica runs on the Ray executor,
+# one request through the `openai` client, bad input.
+test-smoke: $(STAMP) lint
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "fast or smoke"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -41,8 +41,9 @@ UNIT_SECONDS = {
     "tests/serve/test_prefix_affinity.py": 220,
     "tests/vllm_plugin/test_zoo_greedy.py": 210,
     "tests/serve/test_cli_serve.py": 200,
-    "tests/serve/test_backpressure.py": 190,
+    "tests/serve/test_one_replica.py": 190,
     "tests/serve/test_zoo_serve.py": 180,
+    "tests/serve/test_vision_serve.py": 180,
     "tests/test_foundation.py": 150,
     "tests/emulator/test_optimum_e2e.py": 140,
     "tests/vllm_plugin/test_prefix_caching.py": 130,
@@ -60,7 +61,11 @@ def unit_of(nodeid: str) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Longest units first (a stable sort: tests keep their order within a unit)."""
+    """The fast tier's marker on tests/unit (``pytest -m fast``); longest units first (a
+    stable sort: tests keep their order within a unit)."""
+    for item in items:
+        if item.nodeid.startswith("tests/unit/"):
+            item.add_marker(pytest.mark.fast)
     items.sort(key=lambda item: -UNIT_SECONDS.get(unit_of(item.nodeid), 0))
 
 

@@ -24,8 +24,8 @@ What it changes, and why (read from Ray 2.60's ``autoscaler/_private``):
   Here ``terminate_node`` first runs ``node_stop_command`` on the node over SSH (a failure is
   logged and the node is still marked terminated), and a Ray-issued ``ray stop`` on the head
   first stops every worker: a raylet stops within a second while its GCS is up but hangs on
-  SIGTERM once the GCS is gone, and a GCS waits for the raylets still attached (measured:
-  ~1 s per node in that order, ~15 s each plus SIGKILL the other way round).
+  SIGTERM once the GCS is gone, and a GCS waits for the raylets still attached (BENCHMARKS
+  §10).
 * **SSH port.** Ray's SSH runner has no port setting, and ``auth.ssh_proxy_command`` is dropped
   from the config the head uses to reach the workers (``commands._set_up_config_for_head_node``),
   so a proxy command cannot carry one; ``ssh_port`` is passed as ``-o Port=...`` on every

@@ -101,6 +101,22 @@ def get(name: str, environ: dict[str, str] | None = None) -> Any:
         raise EnvError(f"{name}={raw!r}: {e} ({var.doc})") from None
 
 
+def is_set(name: str) -> bool:
+    """Whether the user (or a parent process) chose a value for declared ``name``."""
+    return bool(os.environ.get(REGISTRY[name].name, "").strip())
+
+
+def export(name: str, value: Any) -> None:
+    """Set declared ``name`` for this process and every process it starts (validated)."""
+    var = REGISTRY[name]
+    text = str(value)
+    try:
+        var.parse(text)
+    except ValueError as e:
+        raise EnvError(f"{name}={text!r}: {e} ({var.doc})") from None
+    os.environ[name] = text
+
+
 def __getattr__(name: str) -> Any:
     if name in REGISTRY:
         return get(name)

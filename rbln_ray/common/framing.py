@@ -1,9 +1,9 @@
 """Framed messages over a TCP stream between two rbln-ray processes, for the per-step data path.
 
 Why a stream of our own next to Ray: a Ray actor call hands a message between several threads
-of both processes; on the 2-core test host one took 1.1 ms end to end when calls came every
-5 ms and 2.5 ms when they came every 37 ms (an idle CPU wakes slowly), and a scheduler step
-crossed three of them. A socket read by the thread that needs the message costs one wake-up.
+of both processes, which takes milliseconds, more when calls come rarely (an idle CPU wakes
+slowly; BENCHMARKS §10), and a scheduler step crossed three of them. A socket read by the
+thread that needs the message costs one wake-up.
 Ray still starts, places and watches the processes and introduces the two ends (an address
 and a per-connection token, passed in Ray calls); only the per-step bytes take the stream.
 

@@ -41,7 +41,7 @@ def setup_logging(level: str | None = None) -> None:
     ``level`` (``--log-level``) overrides the environment and is exported for child processes.
     """
     if level is not None:
-        os.environ[LEVEL_ENV] = level.upper()
+        envs.export(LEVEL_ENV, level.upper())
     logger = logging.getLogger("rbln_ray")
     logger.setLevel(envs.get(LEVEL_ENV))
     if logger.handlers:

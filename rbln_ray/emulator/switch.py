@@ -67,7 +67,7 @@ def real_rebel_spec() -> importlib.machinery.ModuleSpec | None:
 
 
 def _propagate() -> None:
-    os.environ[MODE_ENV] = "emulated"
+    envs.export(MODE_ENV, "emulated")
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     for extra in (PROJECT_ROOT, SHIM_DIR):
         if extra not in parts:

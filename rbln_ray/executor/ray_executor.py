@@ -6,7 +6,7 @@ Data path: Ray starts, places and watches the workers and carries every control 
 (``collective_rpc``); scheduler steps do not go through Ray. Each worker listens on a stream
 (:mod:`rbln_ray.common.framing`, introduced over Ray with a per-engine token), the engine
 writes every step to every worker's stream and reads the results from the last rank's: a Ray
-call per step cost 1-3 ms of device idle time on the test host (BENCHMARKS §3), and with
+call per step cost device idle time on every step (BENCHMARKS §3, §10), and with
 pipeline stages that latency was on every micro-batch's round trip.
 
 Failure model (why it is shaped like this): vLLM's engine thread blocks in ``future.result()``

@@ -145,6 +145,8 @@ class VisionFamily(Family):
     # The vision tower's submodule, when it takes compile settings of its own.
     vision_submodule: str = ""
     inputs: tuple[str, ...] = ("image",)  # media a prompt may carry
+    max_images: int | None = None  # images one prompt may carry (None: as many as fit)
+    images_at_start: bool = False  # the processor puts every image before the text
     prefix_caching: bool = True
     chunked_prefill: bool = True
     # The class of the family's module vLLM's registry gets for the architecture when vLLM's

@@ -1,8 +1,8 @@
 """Hidden states from one pipeline rank to the next: one stream per stage boundary.
 
 Why a stream (:mod:`rbln_ray.common.framing`) and not a Ray call per step: a micro-batch
-crosses S - 1 boundaries on every step, and a Ray call carrying a step's hidden states took
-1.1-2.5 ms from one actor to the other on the test host (measured); the sending rank's step
+crosses S - 1 boundaries on every step, and a Ray call carrying a step's hidden states takes
+milliseconds from one actor to the other (BENCHMARKS §9, §10); the sending rank's step
 loop writing to a socket that the receiving rank's step loop reads costs one wake-up. Ray
 still places the ranks and introduces the two ends of each boundary (the executor asks each
 rank after the first to listen, the one before it to connect, then the first to accept), and

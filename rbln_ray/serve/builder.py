@@ -96,7 +96,7 @@ def replica_max_ongoing(cfg: ModelDeploymentConfig) -> int:
     A full batch plus one batch ready to prefill keeps the device busy; the rest wait in
     Serve's queue and go to whichever replica frees a slot first. A deep per-replica queue
     would commit requests early to one replica's vLLM queue and leave others idle at the end
-    of a burst (measured: 4 replicas at 0.85 x linear with 64 per replica on batch 4).
+    of a burst (BENCHMARKS §10).
     """
     return cfg.max_ongoing_requests or 2 * compiled_batch_size(cfg)
 

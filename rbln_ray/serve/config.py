@@ -60,9 +60,9 @@ class IngressConfig(_Strict):
 
     The ingress only awaits I/O, so one replica carries thousands of open streams. Serve's
     default ``max_ongoing_requests`` (5) would cap the *whole app* at 5 requests in flight per
-    ingress replica and starve the model replicas behind it (measured: 2 model replicas gave
-    1.17x one replica's throughput). Back-pressure belongs to the model deployments
-    (``max_ongoing_requests`` + ``max_queued_requests`` → 429), so this cap is set high.
+    ingress replica and starve the model replicas behind it (BENCHMARKS §10). Back-pressure
+    belongs to the model deployments (``max_ongoing_requests`` + ``max_queued_requests`` →
+    429), so this cap is set high.
 
     ``graceful_shutdown_timeout_s``: how long a replaced ingress replica (a redeploy changes
     the app's args, so Serve replaces every replica) keeps relaying the requests it holds

@@ -75,8 +75,8 @@ def max_tokens_message(model: str, max_tokens: int, limit: int) -> str:
 
 def warm_request_path() -> None:
     """Import and run once what the first request would otherwise pay for: vLLM's protocol
-    models and their validation, and vLLM's error responses (seconds of imports, measured
-    on the first request before issue 18)."""
+    models and their validation, and vLLM's error responses (seconds of imports; BENCHMARKS
+    §10)."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 

@@ -2,7 +2,7 @@
 
 Why: a plain ``ray.init()`` on Linux listens on all interfaces with GCS, raylet, object
 manager, every core worker (driver and each actor), the dashboard agent and the metrics
-exporters (measured with psutil, DESIGN §12), so anyone who can reach the host could join
+exporters (docs/OPERATIONS.md, "Ports"), so anyone who can reach the host could join
 the cluster and run code in it. Serve's HTTP port on 127.0.0.1 does not help.
 
 What decides it in Ray 2.60:

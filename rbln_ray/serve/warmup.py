@@ -1,7 +1,7 @@
 """Warm a replica before Serve marks it healthy: no user request pays for first calls.
 
-Why: the first request after ``rbln-ray is ready`` took 14.4 s, the next ones 0.19 s
-(issue 18): the replica's first device calls (every compiled graph runs once before it is
+Why: the first request after ``rbln-ray is ready`` took seconds, the next ones a fraction of
+one (BENCHMARKS §10): the replica's first device calls (every compiled graph runs once before it is
 fast: the emulator builds its kernels, an ATOM loads the program), vLLM's first sampling,
 detokenizing and response building, the chat template's compilation. So the replica's
 constructor serves a few requests of its own through the very objects user requests use
@@ -15,9 +15,9 @@ constructor serves a few requests of its own through the very objects user reque
 * one chat completion (chat template, chat response path).
 
 Sampling matters as much as shapes: the first request with the model's default sampling
-parameters took 2.7 s longer than a greedy one (vLLM's random and top-k/top-p sampling paths
-run for the first time), so the burst alternates greedy and default sampling and the chat
-request uses top-k/top-p.
+parameters took seconds longer than a greedy one (vLLM's random and top-k/top-p sampling
+paths run for the first time; BENCHMARKS §10), so the burst alternates greedy and default
+sampling and the chat request uses top-k/top-p.
 
 The runner's step history then says which decoder batch sizes ran; a size the burst missed
 (prompts that arrived late) gets one more burst of its own size. Warm-up costs a handful of

@@ -178,7 +178,7 @@ class RBLNModelRunner:
         """Mirror the scheduler's view of requests into ``requests`` and, on the rank that
         samples, vLLM's input batch (the sampler's state). Pipeline ranks before the last
         never sample, so they skip the batch: with S micro-batches taking turns, it would
-        drop and re-add every request at every step (~0.3 ms a step, measured)."""
+        drop and re-add every request at every step (BENCHMARKS §10)."""
         if not self.last_stage:
             self._update_requests(so, None)
             return

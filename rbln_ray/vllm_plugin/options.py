@@ -24,9 +24,8 @@ key                                    default     meaning
                                                    (chunked prefill): each decode step is then
                                                    delayed by at most one chunk. Larger values
                                                    slow fewer decode steps but delay the long
-                                                   prompt's first token (BENCHMARKS.md,
-                                                   "Chunked prefill"); 0 runs its chunks back
-                                                   to back
+                                                   prompt's first token (BENCHMARKS.md §6);
+                                                   0 runs its chunks back to back
 ``rbln_placement_strategy``            PACK        Ray placement strategy of the workers
                                                    (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)
 ``rbln_placement_timeout_s``           120         seconds to wait for the workers' devices

@@ -28,6 +28,7 @@ from vllm.platforms.cpu import CpuPlatform
 
 from rbln_ray.compile.artifact import CompiledArtifact, load_artifact
 from rbln_ray.compile.encoders import EncoderArtifact
+from rbln_ray.families.registry import VISION
 from rbln_ray.vllm_plugin.driver_cluster import remember_driver_cluster
 from rbln_ray.vllm_plugin.kv_blocks import BlockLayout
 from rbln_ray.vllm_plugin.options import decide, engine_decisions, engine_options
@@ -151,6 +152,10 @@ def _sync_kv_cache(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
     if cache.enable_prefix_caching and not art.prefill_resumable:
         logger.info("prefix caching off: %s: %s", art.path.name, _NOT_RESUMABLE)
         cache.enable_prefix_caching = False
+    vision = VISION.get(art.vision_family)
+    if cache.enable_prefix_caching and vision is not None and not vision.prefix_caching:
+        logger.info("prefix caching off: %s (%s): %s", art.path.name, vision.name, vision.notes)
+        cache.enable_prefix_caching = False
 
 
 # Why some families' prompts are prefilled whole (see rbln_ray.families.registry).
@@ -172,6 +177,10 @@ def _sync_scheduler(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
     max_len = vllm_config.model_config.max_model_len
     if sched.enable_chunked_prefill and not art.prefill_resumable:
         logger.info("chunked prefill off: %s: %s", art.path.name, _NOT_RESUMABLE)
+        sched.enable_chunked_prefill = False
+    vision = VISION.get(art.vision_family)
+    if sched.enable_chunked_prefill and vision is not None and not vision.chunked_prefill:
+        logger.info("chunked prefill off: %s (%s): %s", art.path.name, vision.name, vision.notes)
         sched.enable_chunked_prefill = False
     if sched.enable_chunked_prefill:
         # One compiled chunk per prefill step, so decodes run between a long prompt's chunks;
@@ -328,8 +337,8 @@ class RBLNPlatform(CpuPlatform):
     # inductor, and "inductor" would build C++ in every engine process at its first sampled
     # step (seconds per replica start) into the machine-wide cache /tmp/torchinductor_root,
     # where a process killed mid-build (a replica stopped while it starts) leaves a truncated
-    # .so that fails every later process on the machine ("file too short"; seen in a
-    # redeploy test). Eager runs the same ops.
+    # .so that fails every later process on the machine ("file too short"). Eager runs the
+    # same ops.
     simple_compile_backend = "eager"
 
     @classmethod

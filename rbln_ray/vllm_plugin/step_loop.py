@@ -3,8 +3,8 @@
 Why: with async scheduling the engine sends step N+1 while step N runs on the device, and with
 S pipeline ranks it keeps S steps in flight; whatever the host does between two device calls
 is lost device time. Steps used to arrive as Ray actor calls, and between two device calls a
-worker paid Ray's hand-over of the next call and the return of the previous result (~1-3 ms
-per step, BENCHMARKS §3). Here the step loop's thread reads each step from the engine's stream
+worker paid Ray's hand-over of the next call and the return of the previous result on every
+step (BENCHMARKS §3, §10). Here the step loop's thread reads each step from the engine's stream
 (:mod:`rbln_ray.common.framing`; Ray introduced the two ends) and runs it, so between two
 device calls there is only the runner's own work (sampling step N, preparing step N+1).
 What only the engine needs (step N's output object, device metrics) is a :class:`Deferred`

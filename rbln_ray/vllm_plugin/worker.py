@@ -149,7 +149,7 @@ class RBLNWorker(WorkerBase):
 
     def finish_later(self, output: Callable[[], Any]) -> Deferred:
         """A step's output, built and sent by the step loop once the next step's device call
-        has started, then its device metrics (a dozen Ray metric calls, ~0.2 ms): neither
+        has started, then its device metrics (a dozen Ray metric calls, BENCHMARKS §10): neither
         delays the device."""
         return Deferred(output, then=self._observe_step)
 

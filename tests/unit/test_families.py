@@ -58,10 +58,10 @@ def test_every_verified_claim_is_a_test_case() -> None:
     zoo_cases = {f"{GREEDY_TEST}[{f}-{a}]" for f, a in test_zoo_greedy.CASES}
     marks = test_llm_greedy.test_llm_greedy_matches_transformers.pytestmark
     llm_cases = {
-        f"{LLM_GREEDY_TEST}[{f}-{a}]"
+        f"{LLM_GREEDY_TEST}[{'-'.join(getattr(case, 'values', case))}]"
         for m in marks
         if m.name == "parametrize"
-        for f, a in m.args[1]
+        for case in m.args[1]
     }
     claims = {ref for fam in DECODERS.values() for ref in fam.verified_by.values()}
     assert claims <= zoo_cases | llm_cases, claims - (zoo_cases | llm_cases)

@@ -22,7 +22,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize(
     ("family", "attn_impl"),
-    [("llama", "eager"), ("llama", "flash_attn"), ("qwen2", "eager"), ("qwen3", "flash_attn")],
+    [
+        pytest.param("llama", "eager", marks=pytest.mark.smoke),
+        ("llama", "flash_attn"),
+        ("qwen2", "eager"),
+        ("qwen3", "flash_attn"),
+    ],
 )
 def test_llm_greedy_matches_transformers(family: str, attn_impl: str) -> None:
     model = compiled_model(family, attn_impl=attn_impl)

@@ -1,0 +1,107 @@
+"""Every vision-language family of the registry through the Serve app and the `openai`
+client: a chat with a ``data:`` URL image equals transformers' greedy output on the same
+weights, and so does a text-only chat to the same model.
+
+One app (one Ray instance, one Serve application) serves the families a few at a time: the
+application is redeployed with the next families once the previous ones answered, so at most
+``WAVE`` replicas (each an engine and a worker) are up at once on this 2-core, 24 GiB machine.
+A new family joins this test by its registry record.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterator
+
+import pytest
+
+from rbln_ray.families.registry import VISION
+from tests.serve.conftest import RunningApp, free_port, start_app, stop_app
+
+pytestmark = pytest.mark.slow
+
+FAMILIES = list(VISION)
+WAVE = 3
+GREEDY = {"max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def messages_with(image, question: str) -> list[dict]:
+    from tests.vision import data_url
+
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url(image)}},
+                {"type": "text", "text": question},
+            ],
+        }
+    ]
+
+
+TEXT_ONLY = [{"role": "user", "content": "no picture this time"}]
+
+
+def wave_config(families: list[str]) -> dict:
+    from tests.vision import compiled_vlm
+
+    models = [
+        {"name": f, "model": str(compiled_vlm(f)), "num_replicas": 1, "warm_up": False}
+        for f in families
+    ]
+    return {"models": models}
+
+
+@pytest.fixture(scope="module")
+def replies() -> Iterator[dict[str, tuple[list[str], list]]]:
+    """family -> (its replies, what was asked: (messages, images) each), every family served
+    by the one app, a wave at a time."""
+    import openai
+    from ray import serve
+
+    from rbln_ray.serve import APP_NAME, build_app, load_config
+    from tests.vision import make_image
+
+    waves = [FAMILIES[i : i + WAVE] for i in range(0, len(FAMILIES), WAVE)]
+    app: RunningApp = start_app(wave_config(waves[0]), free_port(), model_dir=None, devices=WAVE)
+    out: dict[str, tuple[list[str], list]] = {}
+    try:
+        for n, wave in enumerate(waves):
+            if n:
+                config = load_config(wave_config(wave))
+                serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+            client = openai.OpenAI(base_url=f"{app.url}/v1", api_key="unused", max_retries=0)
+            image = make_image(7, 90, 60)
+            asked = [(messages_with(image, "what is in the picture?"), [image]), (TEXT_ONLY, [])]
+            with concurrent.futures.ThreadPoolExecutor(2 * WAVE) as pool:
+                futures = {
+                    family: [
+                        pool.submit(
+                            client.chat.completions.create, model=family, messages=m, **GREEDY
+                        )
+                        for m, _ in asked
+                    ]
+                    for family in wave
+                }
+                for family, fs in futures.items():
+                    out[family] = ([f.result().choices[0].message.content for f in fs], asked)
+        yield out
+    finally:
+        stop_app()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_with_a_data_url_image_equals_transformers(replies: dict, family: str) -> None:
+    from transformers import AutoTokenizer
+
+    from rbln_ray.models import build_tiny_vlm
+    from tests.vision import hf_chat_prompt, hf_vlm_greedy
+
+    model_dir = build_tiny_vlm(family=family)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    got, asked = replies[family]
+    for reply, (messages, images) in zip(got, asked, strict=True):
+        prompt = hf_chat_prompt(model_dir, messages)
+        _, want = hf_vlm_greedy(model_dir, prompt, images, GREEDY["max_tokens"])
+        assert reply == tokenizer.decode(want, skip_special_tokens=True), (reply, want)
+    assert got[0] != got[1]  # the image changed the answer
