@@ -21,6 +21,7 @@ record (what it supports decides which requests and expectations apply).
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -70,7 +71,10 @@ def cached_of(family: str) -> list:
     return [(chat(text), [image_spec(6)]), (chat(text), [image_spec(8)])]
 
 
-FAMILIES = list(VISION)
+# TEST_VISION_FAMILIES=a,b limits a development run to some families (unset: every family)
+FAMILIES = [
+    f for f in VISION if f in (os.environ.get("TEST_VISION_FAMILIES") or f).split(",")
+]
 REQUESTS = {family: requests_of(family) for family in FAMILIES}
 CACHED = {family: cached_of(family) for family in FAMILIES}
 
