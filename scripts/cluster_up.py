@@ -362,8 +362,9 @@ def bring_up(args: argparse.Namespace, base: Path, env: dict, result: dict) -> N
 
     if args.hold:
         token_file = base / "auth_token"
-        token_file.write_text(os.environ["RAY_AUTH_TOKEN"])
-        token_file.chmod(0o600)
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # never readable
+        with os.fdopen(fd, "w") as f:  # by others, not even before a chmod
+            f.write(os.environ["RAY_AUTH_TOKEN"])
         log(f"cluster is up: {url}/v1  (dashboard {dashboard}, RAY_ADDRESS={gcs}, "
             f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token_file})")  # fmt: skip
         if api_key:

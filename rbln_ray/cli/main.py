@@ -132,7 +132,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="YAML config (default: the embedded demo, 2 replicas)")
     s.add_argument("--host", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="HTTP port (default 8000)")
-    s.add_argument("--api-key", help="require this bearer token on /v1 routes")
+    key = s.add_mutually_exclusive_group()
+    key.add_argument(
+        "--api-key",
+        help="require this bearer token on /v1 routes (visible in the process list: prefer "
+        "--api-key-file or the config's api_key_env)",
+    )
+    key.add_argument("--api-key-file", help="require the bearer token this file holds (0600)")
     s.add_argument(
         "--address", help="Ray cluster to join (default: RAY_ADDRESS or a new local one)"
     )

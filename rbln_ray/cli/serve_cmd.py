@@ -40,7 +40,7 @@ def start_ray(address: str | None, emulated: bool, metrics_port: int) -> None:
     import ray
 
     from rbln_ray.emulator.devices import physical_count
-    from rbln_ray.serve.local_ray import start_loopback_ray
+    from rbln_ray.serve.local_ray import record_embedded, start_loopback_ray
 
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
@@ -51,6 +51,7 @@ def start_ray(address: str | None, emulated: bool, metrics_port: int) -> None:
     start_loopback_ray(
         num_cpus=max(8, os.cpu_count() or 1), resources=resources, metrics_port=metrics_port
     )
+    record_embedded(ray.get_runtime_context().gcs_address)
 
 
 def probe_http_path(config: AppConfig) -> None:
@@ -85,19 +86,20 @@ def run(args: argparse.Namespace) -> int:
     from ray import serve
 
     from rbln_ray.cli.runtime_choice import choose_runtime
+    from rbln_ray.common import envs
     from rbln_ray.common.logging_setup import LEVEL_ENV
     from rbln_ray.serve import APP_NAME, build_app
 
     runtime = choose_runtime()
     config = load_config(args.config) if args.config else embedded_default()
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    if args.api_key:
-        overrides["api_key"] = args.api_key
+    if args.api_key or args.api_key_file:  # the command line's source replaces the config's
+        overrides.update(api_key=args.api_key, api_key_env=None, api_key_file=args.api_key_file)
     config = prepare_models(config.model_copy(update=overrides))
     start_ray(args.address, emulated=runtime == "emulated", metrics_port=args.metrics_port)
     serve.start(http_options={"host": config.host, "port": config.port})
     logger.info("starting %d model(s): %s", len(config.models), [m.name for m in config.models])
-    level = os.environ.get(LEVEL_ENV, "INFO").upper()
+    level = envs.get(LEVEL_ENV)
     serve.run(
         build_app(config),
         name=APP_NAME,
@@ -120,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
     while not stop.wait(0.5):  # a timed wait lets Python run the signal handler promptly
         pass
     print("shutting down rbln-ray ...", flush=True)
+    from rbln_ray.serve.local_ray import forget_embedded
+
+    forget_embedded()
     serve.shutdown()
     import ray
 

@@ -7,6 +7,7 @@ call are validated, scheduled and sampled identically.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -52,11 +53,21 @@ class RBLNClient:
     """Completions and chat for one served model, through Ray Serve handles."""
 
     def __init__(self, model: str, app_name: str = APP_NAME, address: str | None = None) -> None:
-        import ray
+        """Join the cluster first if this process has not: ``address``, else ``RAY_ADDRESS``,
+        else this host's running ``rbln-ray serve`` (the embedded default), else Ray's own
+        discovery."""
+        import sys
+
+        if "ray" not in sys.modules or not sys.modules["ray"].is_initialized():
+            from rbln_ray.serve.local_ray import embedded_address, prepare_to_join
+
+            address = address or os.environ.get("RAY_ADDRESS") or embedded_address() or "auto"
+            prepare_to_join(address)  # before `import ray`: it reads the mode at import
+            import ray
+
+            ray.init(address=address, log_to_driver=False)
         from ray import serve
 
-        if not ray.is_initialized():
-            ray.init(address=address or "auto", log_to_driver=False)
         self.model = model
         self._handle = serve.get_deployment_handle(server_deployment_name(model), app_name)
 

@@ -20,6 +20,10 @@ from rbln_ray.families.registry import family_for_dir
 
 logger = logging.getLogger(__name__)
 
+# Joins the cache key: bumped when what a compile writes changes (2: .rbln digests), so an
+# old cache entry is never loaded by code that expects the new layout.
+ARTIFACT_FORMAT = 2
+
 
 def content_hash(model_dir: Path) -> str:
     """Hash of the files that define a model (config, weights, tokenizer), by content."""
@@ -60,7 +64,10 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
     settings = (settings or CompileSettings()).with_max_seq_len(hf_config)
     key = hashlib.sha256(
         (
-            content_hash(model_dir) + json.dumps(settings.as_dict(), sort_keys=True) + target_npu()
+            content_hash(model_dir)
+            + json.dumps(settings.as_dict(), sort_keys=True)
+            + target_npu()
+            + f"format-{ARTIFACT_FORMAT}"
         ).encode()
     ).hexdigest()[:16]
     out = cache_dir() / "compiled" / f"{model_dir.name}-{key}"

@@ -6,8 +6,9 @@ of the module (parameters are shared, not copied). KV inputs arrive as meta tens
 time and flash attention with automatic block counts compiles with one block and multiplies
 later, so only KV *shapes* are stored; runtimes allocate the real buffers.
 
-Saved ``.rbln`` files are ``torch.save`` pickles loaded with ``weights_only=False``: load only
-trusted, locally produced artifacts.
+Saved ``.rbln`` files are ``torch.save`` pickles loaded with ``weights_only=False``, so a file
+is loaded only when :func:`rbln_ray.emulator.trusted_files.check_trusted` trusts it (owner,
+modes, and the digest written beside it at save time).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from rbln_ray.common.dtypes import torch_dtype
+from rbln_ray.emulator.trusted_files import check_trusted, write_digest
 from rbln_ray.npu import kinds
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ class RBLNCompiledModel:
         if _payload is None:
             if path is None:
                 raise TypeError("RBLNCompiledModel needs a path")
+            check_trusted(path)
             _payload = torch.load(Path(path), map_location="cpu", weights_only=False, mmap=True)
             if not isinstance(_payload, dict) or _payload.get("format") != FORMAT:
                 raise ValueError(f"{path} is not an emulated RBLN compiled model ({FORMAT})")
@@ -163,6 +166,7 @@ class RBLNCompiledModel:
 
             torch.save(self._p, tmp, pickle_module=cloudpickle)
         os.replace(tmp, path)
+        write_digest(path)
 
     # -- contract -------------------------------------------------------------------------
     @property

@@ -10,7 +10,7 @@ call per step cost device idle time on every step (BENCHMARKS §3, §10), and wi
 pipeline stages that latency was on every micro-batch's round trip.
 
 Failure model (why it is shaped like this): vLLM's engine thread blocks in ``future.result()``
-for every step, so a dead worker must make that call raise, not hang. Three paths make sure:
+for every step, so a dead worker must make that call raise, not hang. Four paths make sure:
 
 * a dead worker's streams close with its process, so a step read or write fails at once and
   names the worker;
@@ -21,14 +21,18 @@ for every step, so a dead worker must make that call raise, not hang. Three path
   finishes, the actor is dead: the executor marks itself failed, closes the streams (waking
   an engine thread blocked on a result), fires vLLM's failure callback (which wakes an idle
   engine loop so it reports the error) and frees the other actors and the placement group,
-  so the devices are free for a new engine.
+  so the devices are free for a new engine;
+* a worker that is alive but makes no progress (a device call that never returns, a frozen
+  process, a network partition) is caught by the step deadline: when a step is outstanding
+  and no result has arrived for ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` (vLLM's own bound on
+  a step, default 300 s), the executor fails exactly as for a dead worker and kills the
+  actors (TCP keepalive on the streams catches a silent peer too, ``common/framing.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
-import select
 import threading
 import time
 import weakref
@@ -50,12 +54,27 @@ from rbln_ray.common import framing
 from rbln_ray.executor import placement
 from rbln_ray.executor.actor import LIVENESS_GROUP, RBLNWorkerActor
 from rbln_ray.executor.cluster import connect, worker_env
-from rbln_ray.vllm_plugin.step_loop import ERROR, STEP
+from rbln_ray.vllm_plugin.step_loop import ERROR, RESULT, STEP
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 1.0  # how often blocked waits re-check the failed flag
 STOP_TIMEOUT_S = 15.0  # bound on graceful worker shutdown and on waiting for actors to die
+# After a step raised in a worker: how long the engine may stay idle before the executor
+# fails it (a next step fails it at once; see _failed_step).
+FAILED_STEP_GRACE_S = 2.0
+
+
+@dataclass
+class FailedStepOutput(ModelRunnerOutput):
+    """A step whose device call raised: no tokens for its requests, which the RBLN scheduler
+    finishes with an error (``RBLNScheduler.update_from_output``)."""
+
+    failed_req_ids: set[str] = field(default_factory=set)
+
+
+class _StepFailed(Exception):
+    """A worker's report that it failed a step (kept until the step's future asks)."""
 
 
 class RBLNWorkerDiedError(RuntimeError):
@@ -156,6 +175,14 @@ class RBLNRayExecutor(Executor):
         self._next_seq = 0  # every step's number, in the order the workers must run them
         self._streams: list[Any] = []  # the step stream to each worker (_open_step_streams)
         self._results: dict[int, Any] = {}  # step results read ahead of their future
+        # The step deadline (module docstring): steps sent and not answered, by send time.
+        from vllm import envs as vllm_envs
+
+        self._step_timeout_s = float(vllm_envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)
+        self._outstanding: dict[int, float] = {}
+        self._last_result_at = time.monotonic()
+        self._step_reqs: dict[int, list[str]] = {}  # the requests of each step in flight
+        self._fail_next: str | None = None  # a step raised: fail at the next step (or idle)
 
         connect(self.vllm_config)
         artifact = compiled_model(self.vllm_config)
@@ -306,6 +333,8 @@ class RBLNRayExecutor(Executor):
         ``sample_tokens`` (at once, or after the previous step's output for deferred
         structured output), and one actor round trip per step is what the host pays. A step
         with nothing scheduled (it only retires finished requests) goes at once."""
+        if self._fail_next is not None:
+            self._fail(self._fail_next)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return self._run_step(scheduler_output, None, non_block)
         self._raise_if_failed()
@@ -335,6 +364,8 @@ class RBLNRayExecutor(Executor):
         micro-batch at once."""
         self._raise_if_failed()
         seq, self._next_seq = self._next_seq, self._next_seq + 1
+        self._outstanding[seq] = time.monotonic()
+        self._step_reqs[seq] = list(scheduler_output.num_scheduled_tokens)
         payload = pickle.dumps((scheduler_output, grammar_output), protocol=pickle.HIGHEST_PROTOCOL)
         for worker, stream in zip(self._workers, self._streams, strict=True):
             try:
@@ -345,30 +376,78 @@ class RBLNRayExecutor(Executor):
         return future if non_block else future.result()
 
     def _step_result(self, seq: int, timeout: float | None) -> ModelRunnerOutput:
-        """Step ``seq``'s output, read from the last rank's stream (results come in order)."""
+        """Step ``seq``'s output, read from the last rank's stream (results come in order).
+
+        ``timeout`` is the caller's (None: vLLM's engine, which waits for ever); the step
+        deadline applies whatever it is (:meth:`_check_progress`)."""
         worker, stream = self._workers[-1], self._streams[-1]
         deadline = None if timeout is None else time.monotonic() + timeout
         while seq not in self._results:
             self._raise_if_failed()
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                ready, _, _ = select.select([stream], [], [], max(0.0, left))
-                if not ready:
-                    raise TimeoutError(f"step {seq}: no result from the RBLN worker in {timeout} s")
+            wait = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            if deadline is not None and wait <= 0:
+                raise TimeoutError(f"step {seq}: no result from the RBLN worker in {timeout} s")
+            if not framing.wait_readable(stream, wait):
+                self._check_progress()
+                continue
             try:
-                kind, got, payload = framing.recv_frame(stream)
+                kind, got, payload = framing.recv_frame(stream, (RESULT, ERROR))
             except framing.StreamClosed as e:
                 self._stream_broke(worker, e)
+            self._last_result_at = time.monotonic()
+            self._outstanding.pop(got, None)
             if kind == ERROR:
-                self._results[got] = RuntimeError(
+                self._results[got] = _StepFailed(
                     f"{worker.describe()} failed step {got}:\n{payload.decode()}"
                 )
             else:
                 self._results[got] = pickle.loads(payload)  # from our own worker
         value = self._results.pop(seq)
+        req_ids = self._step_reqs.pop(seq, [])
+        if isinstance(value, _StepFailed):
+            return self._failed_step(seq, req_ids, str(value))
         if isinstance(value, BaseException):
             raise value
         return value
+
+    def _failed_step(self, seq: int, req_ids: list[str], report: str) -> FailedStepOutput:
+        """A step raised in a worker: its requests end with an error (they are what made it
+        raise, as far as anyone can tell, so retrying them elsewhere would only fail another
+        replica), and the engine fails once this output is processed: at its next step, or
+        after ``FAILED_STEP_GRACE_S`` if it goes idle (a worker that raised mid-step may hold
+        a half-updated state, so nothing more runs on it). Requests merely queued in the
+        engine then fail as for a dead worker, which a Serve replica answers by retrying them
+        on another replica."""
+        logger.error("%s; failing its requests %s", report, req_ids)
+        self._fail_next = report.splitlines()[0]
+        timer = threading.Timer(FAILED_STEP_GRACE_S, self._fail, args=(self._fail_next,))
+        timer.daemon = True
+        timer.start()
+        return FailedStepOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[] for _ in req_ids],
+            failed_req_ids=set(req_ids),
+        )
+
+    def _check_progress(self) -> None:
+        """Fail the executor when a step is outstanding and no result has come for the step
+        deadline: the last rank (or a rank before it) is stuck, frozen or cut off."""
+        if not self._outstanding:
+            return
+        since = max(min(self._outstanding.values()), self._last_result_at)
+        stalled = time.monotonic() - since
+        if stalled <= self._step_timeout_s:
+            return
+        oldest = min(self._outstanding)
+        reason = (
+            f"step {oldest}: no result from the RBLN workers for {stalled:.0f} s "
+            f"(VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS={self._step_timeout_s:g}); a device call is "
+            f"stuck or a worker is frozen or unreachable ({self._workers[-1].describe()} "
+            "reports results)"
+        )
+        self._fail(reason)
+        raise RBLNWorkerDiedError(reason)
 
     def _stream_broke(self, worker: _Worker, error: Exception) -> NoReturn:
         """A step stream closed under the engine: the worker died or stopped (or the executor
@@ -408,6 +487,7 @@ class RBLNRayExecutor(Executor):
 
     def check_health(self) -> None:
         self._raise_if_failed()
+        self._check_progress()
         sentinels = [w.sentinel for w in self._workers if w.sentinel is not None]
         done, _ = ray.wait(sentinels, num_returns=1, timeout=0) if sentinels else ([], [])
         if done:

@@ -61,7 +61,7 @@ class HiddenStream:
     def receive(self, seq: int) -> torch.Tensor:
         """Block until the previous rank's hidden states of step ``seq`` arrive."""
         try:
-            kind, got, payload = framing.recv_frame(self._conn)
+            kind, got, payload = framing.recv_frame(self._conn, (_TENSOR, _FAILURE))
         except framing.StreamClosed as e:
             raise ChannelError(
                 f"the stream from pipeline rank {self._peer} broke while step {seq} waited for "

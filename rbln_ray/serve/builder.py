@@ -22,6 +22,7 @@ from rbln_ray.serve.config import (
     AppConfig,
     IngressConfig,
     ModelDeploymentConfig,
+    RequestLimits,
     load_config,
 )
 from rbln_ray.serve.ingress import OpenAIIngress, app
@@ -107,7 +108,11 @@ def server_bundles(cfg: ModelDeploymentConfig) -> list[dict[str, float]]:
     return [{"CPU": 1}] + [{"RBLN": devices, "CPU": 1} for _ in range(workers)]
 
 
-def build_server(cfg: ModelDeploymentConfig, routing: str = "load_aware") -> Application:
+def build_server(
+    cfg: ModelDeploymentConfig,
+    routing: str = "load_aware",
+    limits: RequestLimits | None = None,
+) -> Application:
     options: dict[str, Any] = {
         "name": server_deployment_name(cfg.name),
         "placement_group_bundles": server_bundles(cfg),
@@ -127,7 +132,8 @@ def build_server(cfg: ModelDeploymentConfig, routing: str = "load_aware") -> App
         options["autoscaling_config"] = cfg.autoscaling_config
     else:
         options["num_replicas"] = cfg.num_replicas
-    return serve.deployment(LLMServer).options(**options).bind(cfg.model_dump())
+    limits_dump = (limits or RequestLimits()).model_dump()
+    return serve.deployment(LLMServer).options(**options).bind(cfg.model_dump(), limits_dump)
 
 
 def ingress_options(cfg: IngressConfig) -> dict[str, Any]:
@@ -136,6 +142,7 @@ def ingress_options(cfg: IngressConfig) -> dict[str, Any]:
         "name": INGRESS_NAME,
         "num_replicas": cfg.num_replicas,
         "max_ongoing_requests": cfg.max_ongoing_requests,
+        "max_queued_requests": cfg.max_queued_requests,
         "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
         "ray_actor_options": {"num_cpus": 0},
     }
@@ -154,7 +161,7 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
                 for m in config.models
             ]
         )  # fmt: skip
-    servers = {m.name: build_server(m, config.routing) for m in config.models}
+    servers = {m.name: build_server(m, config.routing, config.limits) for m in config.models}
     ingress = serve.deployment(serve.ingress(app)(OpenAIIngress)).options(
         **ingress_options(config.ingress)
     )

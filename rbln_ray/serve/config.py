@@ -46,13 +46,30 @@ class RequestLimits(_Strict):
     """
 
     max_request_bytes: int = Field(default=1 << 20, ge=1024)
+    # A client that sends its body slowly holds an ingress slot; past this it gets a 408.
+    body_read_timeout_s: float = Field(default=30.0, gt=0)
     max_n: int = Field(default=8, ge=1)
     max_tokens: int = Field(default=4096, ge=1)
+    # One request may carry several prompts (a completion's list, an embedding's inputs, a
+    # rerank's documents) and ask for n sequences each: admission counts sequences, so one
+    # small body cannot become thousands of engine requests behind Serve's back-pressure
+    # (which counts HTTP calls).
+    max_prompts: int = Field(default=64, ge=1)
+    max_sequences: int = Field(default=64, ge=1)  # prompts x n
     # Images in chat messages (vision-language models): only inline ``data:`` URLs unless
     # fetching is allowed (a replica fetching any URL a client names is a server-side request
-    # forgery risk); and at most this many pixels each (a small PNG can decode to gigabytes).
+    # forgery risk), then only from ``allowed_media_domains`` when it names any; at most
+    # ``max_images`` a request (also vLLM's ``limit_mm_per_prompt``) and ``max_image_pixels``
+    # each (a small PNG can decode to gigabytes).
     allow_remote_images: bool = False
+    allowed_media_domains: list[str] = Field(default_factory=list)
+    max_images: int = Field(default=8, ge=1)
     max_image_pixels: int = Field(default=4096 * 4096, ge=1)
+    # What a request may pass to the HF processor (``mm_processor_kwargs``, e.g. Qwen2-VL's
+    # ``min_pixels``, which would upscale an image before any check) and to media loading
+    # (``media_io_kwargs``): nothing unless named here.
+    allowed_mm_processor_kwargs: list[str] = Field(default_factory=list)
+    allowed_media_io_kwargs: list[str] = Field(default_factory=list)
 
 
 class IngressConfig(_Strict):
@@ -74,6 +91,9 @@ class IngressConfig(_Strict):
 
     num_replicas: int = Field(default=1, ge=1)
     max_ongoing_requests: int = Field(default=4096, ge=1)
+    # Requests waiting for an ingress replica beyond this are refused (Serve's proxy: 503)
+    # instead of queueing without bound in front of the app.
+    max_queued_requests: int = Field(default=4096, ge=1)
     graceful_shutdown_timeout_s: float = Field(default=600, gt=0)
 
 
@@ -127,8 +147,11 @@ class AppConfig(_Strict):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
+    # The bearer token /v1 routes require: given inline, or (so it shows in no config file,
+    # process list or Serve's status) named by an environment variable or a file (0600).
     api_key: str | None = None
     api_key_env: str | None = None
+    api_key_file: str | None = None
     routing: Literal["load_aware", "prefix_affinity"] = "load_aware"
     limits: RequestLimits = Field(default_factory=lambda: RequestLimits())
     ingress: IngressConfig = Field(default_factory=lambda: IngressConfig())
@@ -142,11 +165,30 @@ class AppConfig(_Strict):
             raise ValueError(f"model names must be unique; repeated: {duplicates}")
         return self
 
+    @model_validator(mode="after")
+    def _one_api_key_source(self) -> AppConfig:
+        given = [n for n in ("api_key", "api_key_env", "api_key_file") if getattr(self, n)]
+        if len(given) > 1:
+            raise ValueError(f"set one of api_key, api_key_env, api_key_file, not {given}")
+        return self
+
     def resolved_api_key(self) -> str | None:
         if self.api_key_env:
             key = os.environ.get(self.api_key_env)
             if not key:
                 raise ValueError(f"api_key_env={self.api_key_env!r} is not set")
+            return key
+        if self.api_key_file:
+            path = Path(self.api_key_file).expanduser()
+            if not path.is_file():
+                raise ValueError(f"api_key_file={self.api_key_file!r} does not exist")
+            if path.stat().st_mode & 0o077:
+                raise ValueError(
+                    f"api_key_file={self.api_key_file!r} is readable by other users: chmod 600"
+                )
+            key = path.read_text().strip()
+            if not key:
+                raise ValueError(f"api_key_file={self.api_key_file!r} is empty")
             return key
         return self.api_key
 

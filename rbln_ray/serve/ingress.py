@@ -8,10 +8,12 @@ A client that disconnects cancels the handle call, which aborts the request in t
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
@@ -22,9 +24,11 @@ from pydantic import TypeAdapter, ValidationError
 from ray.serve.exceptions import BackPressureError
 from vllm.exceptions import VLLMClientError
 
-from rbln_ray.serve.image_checks import check_images, image_urls
+from rbln_ray.serve.media_policy import check_media, check_processor_kwargs, media_parts
 
 logger = logging.getLogger(__name__)
+
+HEALTH_CACHE_S = 1.0  # how long one Serve status answers /health probes
 
 app = FastAPI(title="rbln-ray", description="OpenAI-compatible serving on Rebellions RBLN NPUs")
 
@@ -93,6 +97,22 @@ def _adapter(model_cls: Any) -> TypeAdapter:
     return TypeAdapter(model_cls)
 
 
+# Fields that may hold several prompts (completions, embeddings, scores, rerank).
+PROMPT_FIELDS = ("prompt", "input", "text_1", "text_2", "data_1", "data_2", "queries",
+                 "documents", "items")  # fmt: skip
+
+
+def count_prompts(parsed: Any) -> int:
+    """How many prompts one request asks the engine to run (a list of strings, of token
+    lists or of documents counts each; one string or one token list counts one)."""
+    most = 1
+    for name in PROMPT_FIELDS:
+        value = getattr(parsed, name, None)
+        if isinstance(value, list) and value and not isinstance(value[0], int):
+            most = max(most, len(value))
+    return most
+
+
 def validation_message(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
@@ -107,7 +127,7 @@ class OpenAIIngress:
     ``max_model_lens`` maps each model to its compiled ``max_seq_len`` (when known), so a
     ``max_tokens`` beyond it or beyond the configured cap gets one message (:meth:`_parse`);
     ``image_models`` names the vision-language models (the only ones a chat message may give
-    images to, :mod:`rbln_ray.serve.image_checks`).
+    images to, :mod:`rbln_ray.serve.media_policy`).
     """
 
     async def __init__(
@@ -130,9 +150,21 @@ class OpenAIIngress:
         self.image_models = set(image_models or ())
         self.api_key = api_key
         self.app_name = serve.get_replica_context().app_name
+        self._status_task: asyncio.Future | None = None
+        self._status_at = 0.0
         warm_request_path()
 
     # ---------------------------------------------------------------- helpers
+    async def _status(self) -> Any:
+        """Serve's status, fetched in a thread, shared by the probes of one cache period."""
+        from ray import serve
+
+        now = time.monotonic()
+        if self._status_task is None or now - self._status_at > HEALTH_CACHE_S:
+            self._status_at = now
+            self._status_task = asyncio.ensure_future(asyncio.to_thread(serve.status))
+        return await asyncio.shield(self._status_task)
+
     def _unauthorized(self, request: Request) -> JSONResponse | None:
         if not self.api_key:
             return None
@@ -148,12 +180,22 @@ class OpenAIIngress:
         cap = self.limits.max_request_bytes
         if int(request.headers.get("content-length") or 0) > cap:
             return error_response(413, f"request body exceeds {cap} bytes")
-        raw = await read_body(request, cap)
+        deadline = self.limits.body_read_timeout_s
+        try:
+            raw = await asyncio.wait_for(read_body(request, cap), deadline)
+        except TimeoutError:
+            return error_response(
+                408,
+                f"the request body did not arrive within {deadline:g} s "
+                "(limits.body_read_timeout_s)",
+            )
         if raw is None:
             return error_response(413, f"request body exceeds {cap} bytes")
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except RecursionError:
+            return error_response(400, "request body is not valid JSON: nested too deeply")
+        except ValueError as exc:  # malformed JSON, bad UTF-8, an integer of 4,300+ digits
             return error_response(400, f"request body is not valid JSON: {exc}")
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object")
@@ -172,22 +214,45 @@ class OpenAIIngress:
                 f"model {parsed.model!r} does not exist; served models: {known}",
                 "NotFoundError",
             )
-        if (getattr(parsed, "n", None) or 1) > self.limits.max_n:
-            return error_response(400, f"n={parsed.n} exceeds the limit of {self.limits.max_n}")
-        max_tokens = getattr(parsed, "max_tokens", None) or getattr(
-            parsed, "max_completion_tokens", None
-        )
-        limit = max_tokens_limit(self.limits.max_tokens, self.max_model_lens.get(parsed.model))
+        limits = self.limits
+        n = getattr(parsed, "n", None) or 1
+        if n > limits.max_n:
+            return error_response(400, f"n={n} exceeds the limit of {limits.max_n}")
+        prompts = count_prompts(parsed)
+        if prompts > limits.max_prompts:
+            return error_response(
+                400,
+                f"{prompts} prompts in one request exceed limits.max_prompts = "
+                f"{limits.max_prompts}",
+            )
+        if prompts * n > limits.max_sequences:
+            return error_response(
+                400,
+                f"{prompts} prompts x n={n} = {prompts * n} sequences exceed "
+                f"limits.max_sequences = {limits.max_sequences}",
+            )
+        asked = [getattr(parsed, f, None) for f in ("max_tokens", "max_completion_tokens")]
+        max_tokens = max((t for t in asked if t is not None), default=None)
+        limit = max_tokens_limit(limits.max_tokens, self.max_model_lens.get(parsed.model))
         if max_tokens is not None and max_tokens > limit:
             return error_response(400, max_tokens_message(parsed.model, max_tokens, limit))
-        messages = getattr(parsed, "messages", None)
-        if messages:
-            urls = list(image_urls(messages))
-            accepts = parsed.model in self.image_models
-            problem = check_images(parsed.model, urls, accepts, self.limits)
-            if problem is not None:
-                return error_response(*problem)
+        problem = check_processor_kwargs(parsed, limits)
+        if problem is None and getattr(parsed, "messages", None):
+            problem = await self._check_media(parsed)
+        if problem is not None:
+            return error_response(*problem)
         return parsed
+
+    async def _check_media(self, parsed: Any) -> tuple[int, str] | None:
+        """The media policy (:mod:`rbln_ray.serve.media_policy`), decoding off the loop."""
+        try:
+            parts = list(media_parts(parsed.messages))
+        except (VLLMClientError, ValueError) as exc:
+            return 400, str(exc)
+        if not parts:
+            return None
+        accepts = ("image",) if parsed.model in self.image_models else ()
+        return await asyncio.to_thread(check_media, parsed.model, parts, accepts, self.limits)
 
     async def _relay(self, parsed: Any, method: str) -> Response:
         """Call the model's server and turn its stream into a JSON or SSE response.
@@ -307,10 +372,14 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        """200 when every model deployment is healthy; 503 naming the ones that are not."""
-        from ray import serve
+        """200 when every model deployment is healthy; 503 naming the ones that are not.
 
-        app_status = serve.status().applications.get(self.app_name)
+        Serve's status is a controller RPC: made off the event loop, and at most once per
+        ``HEALTH_CACHE_S`` however many probes arrive (the route needs no API key)."""
+        try:
+            app_status = (await self._status()).applications.get(self.app_name)
+        except Exception as exc:  # noqa: BLE001 - the controller unreachable: not healthy
+            return JSONResponse({"status": f"status unavailable: {first_line(exc)}"}, 503)
         if app_status is None:
             return JSONResponse({"status": "unknown application"}, status_code=503)
         deployments = {name: d.status.value for name, d in app_status.deployments.items()}

@@ -26,9 +26,12 @@ and joined with ``--address``.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +41,53 @@ METRICS_EXPORT_PORT = 8080
 SINGLE_HOST_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
+EMBEDDED_FILE = "embedded-ray.json"  # in rbln-ray's cache dir: the running embedded default
+
+
 class LoopbackError(RuntimeError):
     """The local Ray instance could not be kept on the loopback interface."""
+
+
+def record_embedded(gcs_address: str) -> Path:
+    """Say where this host's embedded default runs (its GCS address and this process), so a
+    driver started later on the host (``RBLNClient``) joins it without being told."""
+    from rbln_ray.common.paths import cache_dir
+
+    path = cache_dir() / EMBEDDED_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"gcs_address": gcs_address, "pid": os.getpid()}))
+    os.replace(tmp, path)
+    return path
+
+
+def forget_embedded() -> None:
+    from rbln_ray.common.paths import cache_dir
+
+    path = cache_dir() / EMBEDDED_FILE
+    with contextlib.suppress(FileNotFoundError, ValueError, OSError):
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+
+
+def embedded_address() -> str | None:
+    """The GCS address of this host's running embedded default, or None."""
+    from rbln_ray.common.paths import cache_dir
+
+    try:
+        found = json.loads((cache_dir() / EMBEDDED_FILE).read_text())
+        os.kill(int(found["pid"]), 0)  # still running
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return str(found["gcs_address"])
+
+
+def prepare_to_join(address: str) -> None:
+    """Before this process joins the Ray instance at ``address``: a loopback address is an
+    embedded default in single-host mode, which a driver reaches only in that mode too (Ray
+    reads it when imported; without it the driver looks for a routable address and hangs)."""
+    if address.split(":")[0] == LOOPBACK:
+        prepare_loopback()
 
 
 def prepare_loopback() -> None:

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from rbln_ray.serve.config import DEMO_MODEL, ModelDeploymentConfig
+from rbln_ray.serve.config import DEMO_MODEL, ModelDeploymentConfig, RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +38,17 @@ def resolve_model_path(model: str) -> str:
     return model
 
 
-def engine_namespace(cfg: ModelDeploymentConfig, model_path: str):
-    """``vllm serve``'s parsed arguments for this model, with rbln-ray's engine settings."""
+def engine_namespace(
+    cfg: ModelDeploymentConfig, model_path: str, limits: RequestLimits | None = None
+):
+    """``vllm serve``'s parsed arguments for this model, with rbln-ray's engine settings and
+    the app's media policy (:func:`rbln_ray.serve.media_policy.replica_media_args`: it wins
+    over ``engine_kwargs``)."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from rbln_ray.families.registry import vision_for_dir
+    from rbln_ray.serve.media_policy import replica_media_args
     from rbln_ray.vllm_plugin.options import PREFIX
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(
@@ -51,6 +57,9 @@ def engine_namespace(cfg: ModelDeploymentConfig, model_path: str):
     for key, value in cfg.engine_kwargs.items():
         if not hasattr(args, key):
             raise ValueError(f"engine_kwargs: unknown vLLM option {key!r} for model {cfg.name}")
+        setattr(args, key, value)
+    accepts_images = vision_for_dir(model_path) is not None
+    for key, value in replica_media_args(limits or RequestLimits(), accepts_images).items():
         setattr(args, key, value)
     if "fingerprint_mode" not in cfg.engine_kwargs:
         # vLLM's default fingerprint hashes the whole engine config, which includes this
@@ -104,7 +113,7 @@ class LLMServer:
     of sending it more requests until the next health check.
     """
 
-    async def __init__(self, cfg: dict[str, Any]) -> None:
+    async def __init__(self, cfg: dict[str, Any], limits: dict[str, Any] | None = None) -> None:
         import ray
         from ray import serve
         from starlette.datastructures import State
@@ -129,7 +138,10 @@ class LLMServer:
         # The replica tag of this engine's device metrics: the engine core process inherits
         # it, the Ray executor forwards it to the worker actors (envs.FORWARDED).
         os.environ["RBLN_RAY_REPLICA"] = serve.get_replica_context().replica_id.unique_id
-        args = engine_namespace(self.cfg, resolve_model_path(self.cfg.model))
+        # A media URL is fetched only from an allowed domain; a redirect could leave it.
+        os.environ.setdefault("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "0")
+        limits_cfg = RequestLimits.model_validate(limits or {})
+        args = engine_namespace(self.cfg, resolve_model_path(self.cfg.model), limits_cfg)
         engine_args = AsyncEngineArgs.from_cli_args(args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         # The replica's placement group holds the RBLN bundles its worker actors will use.
@@ -158,15 +170,21 @@ class LLMServer:
         the same 4xx ``ErrorResponse`` vLLM's HTTP server would send. When the engine is dead
         and nothing of this response has been yielded yet, the replica dies instead of
         answering (class docstring), so the ingress can retry elsewhere; a stream already under
-        way ends with vLLM's own error event.
+        way ends with vLLM's own error event. A request the engine itself finished with an
+        error (its device step raised: finish reason ``error``, vLLM's ``GenerationError``)
+        gets that 500 even when the engine died of it right after: retried, it would take a
+        second replica down.
         """
         from vllm.entrypoints.serve.exception_handling.error_response import (
             create_error_response,
         )
-        from vllm.exceptions import VLLMClientError
+        from vllm.exceptions import GenerationError, VLLMClientError
 
         try:
             result = await create(request)
+        except GenerationError as exc:
+            yield create_error_response(exc).model_dump()
+            return
         except (VLLMClientError, ValueError, TypeError, OverflowError) as exc:
             if not self.engine.errored:
                 yield create_error_response(exc).model_dump()
@@ -184,8 +202,10 @@ class LLMServer:
             yield body
             return
         started = False
+        own_failure = f'"message":"{GenerationError().args[0]}"'  # this request's own error
         async for chunk in result:
-            if not started and self.engine.errored and chunk.startswith('data: {"error"'):
+            dead = self.engine.errored and chunk.startswith('data: {"error"')
+            if not started and dead and own_failure not in chunk.replace(" ", ""):
                 await self._die(RuntimeError(chunk.strip()))
             started = True
             yield chunk

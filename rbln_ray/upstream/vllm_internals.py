@@ -50,6 +50,22 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     ),
     Requirement("vllm.v1.request:Request.num_output_placeholders", SCHED_PY, "instance attribute"),
     Requirement("vllm.v1.request:Request.is_prefill_chunk", SCHED_PY, "instance attribute"),
+    Requirement(
+        f"{SCHEDULER}.grammar_compile_error_reqs",
+        f"{SCHED_PY} (finish_with_error)",
+        "instance attribute",
+    ),
+    Requirement(
+        f"{SCHEDULER}.update_from_output",
+        f"{SCHED_PY} (finish_with_error)",
+        "source mentions",
+        ("self.grammar_compile_error_reqs", "RequestStatus.FINISHED_ERROR"),
+    ),
+    Requirement(
+        "vllm.entrypoints.chat_utils:_parse_chat_message_content_mm_part",
+        "rbln_ray/serve/media_policy.py (content_part)",
+        params=("part",),
+    ),
     Requirement(f"{INPUT_BATCH}.token_ids_cpu", f"{RUNNER_PY} (record)", "instance attribute"),
     Requirement(f"{INPUT_BATCH}.is_token_ids", f"{RUNNER_PY} (record)", "instance attribute"),
     Requirement(f"{INPUT_BATCH}.num_tokens_no_spec", f"{RUNNER_PY} (record)", "instance attribute"),
@@ -107,6 +123,23 @@ def evict_cached_hashes(scheduler: Any, hashes: Iterable[Hashable]) -> None:
             if not blocks:
                 break
             manager.evict_blocks({blocks[0].block_id})
+
+
+def finish_with_error(scheduler: Any, req_ids: Iterable[str]) -> None:
+    """Make the scheduler's next ``update_from_output`` finish ``req_ids`` with
+    ``FINISHED_ERROR`` (finish reason ``error``: the OpenAI server answers a 500, or ends a
+    stream with an error event). vLLM finishes requests whose grammar failed to compile this
+    way; a request whose device step raised is finished the same way."""
+    scheduler.grammar_compile_error_reqs.update(req_ids)
+
+
+def content_part(part: dict[str, Any]) -> tuple[str, Any]:
+    """``(part type, content)`` of one chat content part exactly as vLLM's chat parser reads
+    it (typeless parts included): the ingress's media policy must see what the replica will
+    fetch and decode. Raises vLLM's validation error (a 400) for a part it cannot read."""
+    from vllm.entrypoints.chat_utils import _parse_chat_message_content_mm_part
+
+    return _parse_chat_message_content_mm_part(part)
 
 
 def record_sampled_token(batch: Any, req_id: str, token: int) -> None:

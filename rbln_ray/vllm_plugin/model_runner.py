@@ -41,6 +41,7 @@ from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
+from rbln_ray.common import envs
 from rbln_ray.compile.artifact import CompiledArtifact
 from rbln_ray.families.registry import VISION
 from rbln_ray.families.vision_base import PromptEmbedder
@@ -159,6 +160,7 @@ class RBLNModelRunner:
             is_pooling_model=False,
         )
         self.sampler = Sampler(logprobs_mode=model_config.logprobs_mode)
+        self._fault_token = envs.get("RBLN_RAY_TEST_STEP_FAULT")  # tests only
         self.requests: dict[str, CachedRequestState] = {}
         self.stats = StepStats()
         # The rows of the last step prepared (the sampling rank's guess of the next decode
@@ -483,6 +485,8 @@ class RBLNModelRunner:
             self.before_device()
         if receive is not None:  # the previous stage's hidden states, the last input to come
             inputs["input_ids"] = receive()
+        if self._fault_token is not None and self._fault_token in tokens[start:end]:
+            raise RuntimeError(f"injected step fault (RBLN_RAY_TEST_STEP_FAULT) in {req_id}")
         start_t = time.perf_counter()
         out = self.rbln_model.prefill_decoder(cache_position=positions, **inputs)
         self.stats.device_seconds += time.perf_counter() - start_t

@@ -90,19 +90,32 @@ def compiled_encoder(vllm_config: VllmConfig) -> EncoderArtifact | None:
     return art if isinstance(art, EncoderArtifact) else None
 
 
+def usable_len(art: CompiledArtifact | EncoderArtifact) -> tuple[int, str]:
+    """The longest sequence the artifact can hold, and what bounds it: its compiled
+    ``max_seq_len``, or (a decoder compiled with fewer KV blocks than one such sequence
+    spans) every KV block together. A prompt longer than the KV pool could never start (it
+    would wait for blocks that do not exist): vLLM refuses it instead, as too long."""
+    if isinstance(art, CompiledArtifact):
+        pool = art.kvcache_num_blocks * art.kvcache_block_size
+        if pool < art.max_seq_len:
+            return pool, (
+                f"the KV pool ({art.kvcache_num_blocks} blocks x {art.kvcache_block_size} tokens)"
+            )
+    return art.max_seq_len, f"the compiled max_seq_len={art.max_seq_len}"
+
+
 def _sync_model_len(vllm_config: VllmConfig, art: CompiledArtifact | EncoderArtifact) -> None:
     model_config = vllm_config.model_config
     user_len = model_config.original_max_model_len
-    if user_len and user_len > art.max_seq_len:
+    usable, bound = usable_len(art)
+    if user_len and user_len > usable:
         raise RBLNConfigError(
-            f"max_model_len={user_len} exceeds the compiled max_seq_len={art.max_seq_len} "
-            f"of {art.path}; recompile with a larger max_seq_len or lower max_model_len"
+            f"max_model_len={user_len} exceeds {bound} of {art.path}; recompile with a larger "
+            "max_seq_len (or more KV blocks) or lower max_model_len"
         )
-    wanted = user_len if user_len and user_len > 0 else art.max_seq_len
+    wanted = user_len if user_len and user_len > 0 else usable
     if model_config.max_model_len != wanted:
-        logger.info(
-            "max_model_len %s -> %d (compiled artifact)", model_config.max_model_len, wanted
-        )
+        logger.info("max_model_len %s -> %d (%s)", model_config.max_model_len, wanted, bound)
         model_config.max_model_len = wanted
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Hashable
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -144,6 +145,15 @@ class _RBLNScheduling:
             self._prefill_stalled = False
         plan = self._plan(output, kind if scheduled else "idle")
         return RBLNSchedulerOutput.wrap(output, plan)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any):
+        """vLLM's, plus the requests of a step whose device call raised (the Ray executor's
+        ``FailedStepOutput``): finished with an error, so each gets a terminal error answer
+        from this replica rather than a retry that would fail another replica too."""
+        failed = getattr(model_runner_output, "failed_req_ids", None)
+        if failed:
+            vllm_internals.finish_with_error(self, failed)
+        return super().update_from_output(scheduler_output, model_runner_output)
 
     def _decode_rows(self, decoding: list[Request]) -> list[Request]:
         """The requests one decode step runs: those with a token to compute now (a pipeline's

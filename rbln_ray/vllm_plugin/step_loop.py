@@ -124,7 +124,7 @@ class StepLoop:
         expected = 0
         try:
             while True:
-                _, seq, payload = framing.recv_frame(self._conn)
+                _, seq, payload = framing.recv_frame(self._conn, (STEP,))
                 if seq != expected:
                     raise RuntimeError(f"step {seq} arrived, step {expected} was expected")
                 expected += 1
@@ -196,16 +196,28 @@ class StepLoop:
                     logger.exception("after step %d", seq)
 
     def _send(self, seq: int, value: Any) -> bool:
-        """Send a step's result (or failure) to the engine; False once the stream is closed."""
+        """Send a step's result (or failure) to the engine; False once the stream is closed.
+
+        Whatever goes wrong on the way (a result that does not pickle, a frame too large) is
+        sent as the step's failure instead: the engine waits for every step's answer, so a
+        writer that died silently would hang it."""
         if not self._reports:
             return True
         try:
-            if isinstance(value, BaseException):
-                text = "".join(traceback.format_exception(value)).strip()
-                framing.send_frame(self._conn, ERROR, seq, text.encode())
-            else:
-                data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-                framing.send_frame(self._conn, RESULT, seq, data)
+            if not isinstance(value, BaseException):
+                try:
+                    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+                    framing.send_frame(self._conn, RESULT, seq, data)
+                    return True
+                except framing.StreamClosed as e:
+                    if not isinstance(e, framing.FrameError):
+                        raise
+                    value = e
+                except Exception as e:  # noqa: BLE001 - reported as the step's failure
+                    logger.exception("RBLN worker step %d: its result cannot be sent", seq)
+                    value = e
+            text = "".join(traceback.format_exception(value)).strip()
+            framing.send_frame(self._conn, ERROR, seq, text.encode()[: framing.MAX_FRAME_BYTES])
         except framing.StreamClosed:
             return False
         return True

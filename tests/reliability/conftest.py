@@ -11,6 +11,12 @@ from tests.helpers import compiled_model
 from tests.serve.conftest import RunningApp, free_port, start_app, stop_app
 
 MODEL = "tiny"
+# The app's step deadline (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS; vLLM's default is 300 s): short,
+# so the frozen-worker test ends in time, and still far above any step of the tiny model.
+STEP_DEADLINE_S = 20
+# A token id whose prefill raises in the worker (RBLN_RAY_TEST_STEP_FAULT): the poison
+# request of the fault tests; no other prompt of this package holds it.
+POISON_TOKEN = 4093
 
 
 @pytest.fixture(scope="package")
@@ -21,11 +27,15 @@ def tiny_app() -> Iterator[RunningApp]:
         "models": [{"name": MODEL, "model": str(compiled_model("llama")), "num_replicas": 2}],
         "limits": {"max_n": 4, "max_tokens": 1000},
     }
-    app = start_app(config, free_port(), compiled_model("llama"))
-    try:
-        yield app
-    finally:
-        stop_app()
+    with pytest.MonkeyPatch.context() as mp:
+        # read by the engine cores the replicas start (they inherit Ray's worker environment)
+        mp.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(STEP_DEADLINE_S))
+        mp.setenv("RBLN_RAY_TEST_STEP_FAULT", str(POISON_TOKEN))
+        app = start_app(config, free_port(), compiled_model("llama"))
+        try:
+            yield app
+        finally:
+            stop_app()
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.5, what: str = "") -> float:

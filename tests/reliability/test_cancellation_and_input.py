@@ -256,3 +256,61 @@ def test_system_fingerprint_is_the_same_on_every_replica(tiny_app: RunningApp) -
     assert all(after[name] > before[name] for name in before), (before, after)  # both served
     assert len(fingerprints) == 1 and None not in fingerprints, fingerprints
     assert next(iter(fingerprints)).startswith("vllm-0.30.0-rbln-")
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (b"[" * 200_000, "nested too deeply"),
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", "digits"),
+        (
+            json.dumps({"model": MODEL, "prompt": [[5, 6]] * 1024, "n": 1}).encode(),
+            "limits.max_prompts",
+        ),
+        (
+            json.dumps({"model": MODEL, "prompt": ["x"] * 20, "n": 4}).encode(),
+            "limits.max_sequences",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": "x"}],
+                    "max_tokens": 2,
+                    "max_completion_tokens": 100_000,
+                }
+            ).encode(),
+            "max_tokens=100000",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": "x"}],
+                    "mm_processor_kwargs": {"min_pixels": 10**9},
+                }
+            ).encode(),
+            "limits.allowed_mm_processor_kwargs",
+        ),
+    ],
+    ids=["deep-json", "huge-int", "1024-prompts", "prompts-x-n", "max_completion_tokens",
+         "mm_processor_kwargs"],
+)  # fmt: skip
+def test_amplifying_or_hostile_bodies_are_4xx_with_an_openai_body(
+    tiny_app: RunningApp, body: bytes, needle: str
+) -> None:
+    """Bodies under 1 MiB that would become thousands of sequences, blow up a parser, or
+    slip past a limit through another field: each a 4xx naming the problem, before any
+    replica sees it."""
+    chat = b'"messages"' in body
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    r = httpx.post(
+        f"{tiny_app.url}{route}",
+        content=body,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert 400 <= r.status_code < 500, r.text[:300]
+    error = r.json()["error"]
+    assert error["code"] == r.status_code and error["type"], error
+    assert needle in error["message"], error["message"]

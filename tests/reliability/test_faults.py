@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -12,7 +13,13 @@ import httpx
 import pytest
 
 from tests.ray_metrics import metric_sum
-from tests.reliability.conftest import MODEL, replica_stats, wait_until
+from tests.reliability.conftest import (
+    MODEL,
+    POISON_TOKEN,
+    STEP_DEADLINE_S,
+    replica_stats,
+    wait_until,
+)
 from tests.serve.conftest import RunningApp
 
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
@@ -147,6 +154,58 @@ def test_worker_kill_under_16_streams_retries_unstarted_requests(tiny_app: Runni
     check_terminal_and_recovery(tiny_app, outcomes, fault_at, "worker kill")
 
 
+async def requests_with_fault(app: RunningApp, n: int, fault) -> tuple[list[dict], object]:
+    """``n`` concurrent non-streaming completions; ``await fault()`` once both replicas hold
+    a full batch (8 slots in use: the victim has requests decoding and more waiting in its
+    engine). Returns the outcomes and what the fault returned."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        tasks = [asyncio.create_task(complete_one(client, app.url, i)) for i in range(n)]
+        await asyncio.to_thread(
+            wait_until,
+            lambda: metric_sum("ray_rbln_slots_in_use", model=MODEL) >= 8,
+            120,
+            0.2,
+            "both replicas decoding",
+        )
+        caused = await fault()
+        return await asyncio.gather(*tasks), caused
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_frozen_worker_ends_its_requests_within_the_step_deadline(tiny_app: RunningApp) -> None:
+    """A worker frozen (SIGSTOP) under 16 streams: nothing hangs. Within the step deadline
+    the engine fails as for a dead worker (the frozen actor is killed, its device freed):
+    requests that had not streamed are retried on the other replica, those under way end
+    with the SSE error event; then every request succeeds again."""
+    frozen: list[int] = []
+
+    def freeze_worker(stats: dict) -> None:
+        replica = next(iter(stats.values()))
+        pid = replica["workers"][0]["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        frozen.append(pid)
+
+    try:
+        outcomes, fault_at = asyncio.run(load_with_fault(tiny_app, freeze_worker))
+    finally:
+        for pid in frozen:  # in case the test failed before the executor killed it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    failed = [o for o in outcomes if o["error"]]
+    assert all(o["status"] == 200 and o["chunks"] > 0 and o["done"] for o in failed), failed
+    # the last one ended within the deadline plus the engine's teardown
+    assert all(o["ended"] - fault_at < STEP_DEADLINE_S + 30 for o in outcomes), outcomes
+    wait_until(lambda: process_gone(frozen[0]), 60, 1, "the executor killed the frozen actor")
+    check_terminal_and_recovery(tiny_app, outcomes, fault_at, "frozen worker")
+
+
 async def complete_one(client: httpx.AsyncClient, url: str, i: int) -> dict:
     body = {"model": MODEL, "prompt": f"y{i} = ", "max_tokens": 300, "ignore_eos": True}
     try:
@@ -159,6 +218,33 @@ async def complete_one(client: httpx.AsyncClient, url: str, i: int) -> dict:
     return out
 
 
+def test_a_request_whose_step_raises_fails_alone_and_costs_one_replica(
+    tiny_app: RunningApp,
+) -> None:
+    """A request whose device step raises (injected: RBLN_RAY_TEST_STEP_FAULT) gets a
+    terminal 500 with an OpenAI body and is not retried (a retry would take a second replica
+    down); the engine it broke fails, and the requests queued or decoding in it are retried
+    on the other replica: 12/12 succeed, one replica is replaced, the other never restarts."""
+    wait_until(lambda: len(replica_stats(tiny_app)) == 2, 300, 1, "both replicas up")
+    names = set(replica_stats(tiny_app))
+    before = retries(tiny_app)
+
+    async def poison() -> httpx.Response:
+        body = {"model": MODEL, "prompt": [5, POISON_TOKEN, 7], "max_tokens": 8}
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await client.post(f"{tiny_app.url}/v1/completions", json=body)
+
+    outcomes, bad = asyncio.run(requests_with_fault(tiny_app, 12, poison))
+    assert bad.status_code == 500, bad.text
+    assert bad.json()["error"]["code"] == 500 and bad.json()["error"]["message"]
+    ok = [o for o in outcomes if o["status"] == 200 and o.get("tokens") == 300]
+    assert len(ok) == 12, [o for o in outcomes if o not in ok]
+    assert retries_after(tiny_app, before) >= 1  # the broken engine's requests went on
+    wait_until(lambda: len(replica_stats(tiny_app)) == 2, 300, 1, "replica replaced")
+    after = set(replica_stats(tiny_app))
+    assert len(names & after) == 1, (names, after)  # exactly one replica was lost
+
+
 def test_replica_kill_under_24_requests_loses_none(tiny_app: RunningApp) -> None:
     """Acceptance 1 (issue 18): a replica killed (``ray.kill``) while 24 concurrent
     non-streaming requests run (both replicas' slots full, the rest queued): 24/24 succeed;
@@ -169,23 +255,10 @@ def test_replica_kill_under_24_requests_loses_none(tiny_app: RunningApp) -> None
     stats = replica_stats(tiny_app)
     before = retries(tiny_app)
 
-    async def run() -> list[dict]:
-        async with httpx.AsyncClient(timeout=300) as client:
-            tasks = [asyncio.create_task(complete_one(client, tiny_app.url, i)) for i in range(24)]
-            # Kill once both replicas hold a full batch (8 slots in use), so the victim has
-            # requests decoding and more waiting in its engine.
-            await asyncio.to_thread(
-                wait_until,
-                lambda: metric_sum("ray_rbln_slots_in_use", model=MODEL) >= 8,
-                120,
-                0.2,
-                "both replicas decoding",
-            )
-            name = next(iter(stats))
-            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-            return await asyncio.gather(*tasks)
+    async def kill_replica() -> None:
+        ray.kill(ray.get_actor(next(iter(stats)), namespace="serve"), no_restart=True)
 
-    outcomes = asyncio.run(run())
+    outcomes, _ = asyncio.run(requests_with_fault(tiny_app, 24, kill_replica))
     ok = [o for o in outcomes if o["status"] == 200 and o.get("tokens") == 300]
     assert len(ok) == 24, [o for o in outcomes if o not in ok]
     retried = retries_after(tiny_app, before)

@@ -79,6 +79,8 @@ def demo_app() -> Iterator[RunningApp]:
     compiled = resolve_compiled_dir(hf_dir, CompileSettings.from_dict(DEMO_COMPILE))
     config = {
         "api_key": API_KEY,
+        # a request may resize Qwen2-VL's images (test_an_image_beyond_the_compiled_tower...)
+        "limits": {"allowed_mm_processor_kwargs": ["min_pixels", "max_pixels"]},
         "models": [
             {"name": "demo", "model": str(compiled), "num_replicas": 2},
             {"name": "qwen", "model": str(compiled_model("qwen2")), "num_replicas": 1},

@@ -125,6 +125,26 @@ def test_answers_curl_as_printed(embedded: ServeProcess) -> None:
     assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] == 16
 
 
+def test_readme_client_example_answers_from_a_clean_process(embedded: ServeProcess) -> None:
+    """The README's ``RBLNClient`` example, run as a newcomer would: a fresh Python process
+    on the host with nothing set in its environment (no Ray mode, no address) joins the
+    embedded default and streams tokens."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    (example,) = [b for b in blocks if "RBLNClient(" in b]
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ["HOME"]}
+    done = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "python"), "-c", example],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip(), done.stderr[-3000:]
+
+
 def is_loopback(address: str) -> bool:
     ip = ipaddress.ip_address(address.split("%")[0])
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:

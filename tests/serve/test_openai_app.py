@@ -451,6 +451,70 @@ def test_an_image_beyond_the_compiled_vision_tower_is_a_400_naming_both_sizes(
     assert ok.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.fixture
+def recording_server():
+    """A local HTTP server that records every request it gets (and answers 404)."""
+    import http.server
+    import threading
+
+    hits: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            hits.append(self.path)
+            self.send_error(404)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", hits
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_no_content_part_makes_a_replica_fetch_a_url(demo_app: RunningApp, recording_server):
+    """Typed, typeless (``{"image_url": ...}``, which vLLM's parser takes) and video parts
+    naming a local URL are 400s at the ingress; and a replica reached without the ingress
+    (its deployment handle) still fetches nothing: its vLLM only allows a domain that does
+    not exist. The URL's server records no hit."""
+    from ray import serve
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    base, hits = recording_server
+    parts = [
+        {"type": "image_url", "image_url": {"url": f"{base}/typed.png"}},
+        {"image_url": f"{base}/typeless.png"},
+        {"image_url": {"url": f"{base}/typeless-dict.png"}},
+        {"video_url": {"url": f"{base}/clip.mp4"}},
+    ]
+    for part in parts:
+        body = {
+            "model": "qwen-vl",
+            "messages": [{"role": "user", "content": [part, {"type": "text", "text": "?"}]}],
+            "max_tokens": 2,
+        }
+        r = httpx.post(f"{demo_app.url}/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 400, (part, r.text)
+        assert r.json()["error"]["code"] == 400
+    direct = ChatCompletionRequest.model_validate(
+        {
+            "model": "qwen-vl",
+            "messages": [{"role": "user", "content": [parts[1], {"type": "text", "text": "?"}]}],
+            "max_tokens": 2,
+        }
+    )
+    handle = serve.get_deployment_handle("LLMServer:qwen-vl", "rbln-ray").options(stream=True)
+    answers = list(handle.chat.remote(direct))
+    assert len(answers) == 1 and "error" in answers[0], answers
+    assert "allowed domains" in answers[0]["error"]["message"], answers[0]
+    assert hits == []
+
+
 def test_health_reflects_a_dead_replica(demo_app: RunningApp) -> None:
     """Runs last in this module: it kills a replica, then waits for Serve to replace it."""
     import ray

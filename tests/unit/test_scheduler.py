@@ -30,6 +30,19 @@ def test_config_is_synced_from_the_artifact(artifact: Path) -> None:
     assert type(h.scheduler).__name__ == "RBLNAsyncScheduler"
 
 
+def test_a_kv_pool_smaller_than_one_sequence_bounds_max_model_len(tmp_path: Path) -> None:
+    """vllm-rbln #957: a prompt that fits max_seq_len but not the KV pool was admitted and
+    waited for blocks that do not exist. Here max_model_len is the pool's size, so vLLM
+    refuses such a prompt as too long; asking for more is an error naming the pool."""
+    small = write_artifact(
+        tmp_path, attn_impl="flash_attn", kvcache_block_size=256, kvcache_num_blocks=1,
+        kvcache_partition_len=256,
+    )  # fmt: skip
+    assert Harness(small).config.model_config.max_model_len == 256  # max_seq_len is 512
+    with pytest.raises(ValueError, match=r"KV pool \(1 blocks x 256 tokens\)"):
+        Harness(small, max_model_len=384)
+
+
 def test_every_step_is_one_prefill_chunk_or_decodes_only(artifact: Path) -> None:
     h = Harness(artifact, async_scheduling=False)
     for i in range(10):

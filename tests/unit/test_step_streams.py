@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pickle
 import select
+import socket
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -52,12 +53,51 @@ def test_frames_cross_in_order_and_a_close_wakes_the_reader() -> None:
     framing.close(a)
 
 
-def test_a_connection_without_the_token_is_refused() -> None:
-    listener = framing.Listener("127.0.0.1", framing.new_token())
+def test_a_stranger_connecting_first_is_refused_and_the_peer_still_gets_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection without the token (a port scan, a stranger who connected first) is
+    closed and the listener goes on waiting for its peer; with none, it gives up in time."""
+    token = framing.new_token()
+    listener = framing.Listener("127.0.0.1", token)
     intruder = framing.connect(listener.address, framing.new_token())
-    with pytest.raises(PermissionError, match="token"):
-        listener.accept()
-    framing.close(intruder)
+    silent = socket.create_connection(listener.address)  # connects, never sends a token
+    silent.close()
+    peer_box: list[socket.socket] = []
+    joiner = threading.Thread(
+        target=lambda: peer_box.append(framing.connect(listener.address, token))
+    )
+    joiner.start()
+    conn = listener.accept()
+    joiner.join()
+    framing.send_frame(peer_box[0], 7, 1, b"hello")
+    assert framing.recv_frame(conn, (7,)) == (7, 1, bytearray(b"hello"))
+    with pytest.raises(framing.StreamClosed):  # the stranger was hung up on
+        framing.recv_frame(intruder)
+    for c in (conn, peer_box[0], intruder):
+        framing.close(c)
+    monkeypatch.setattr(framing, "CONNECT_TIMEOUT_S", 0.3)
+    lonely = framing.Listener("127.0.0.1", token)
+    with pytest.raises((TimeoutError, OSError)):
+        lonely.accept()
+
+
+def test_frames_of_unexpected_kind_or_size_are_refused_unread() -> None:
+    a, b = socket.socketpair()
+    framing.send_frame(a, 9, 0, b"x")
+    with pytest.raises(framing.FrameError, match="kind 9"):
+        framing.recv_frame(b, (1, 2))
+    a.close()
+    b.close()  # a refused frame leaves the stream out of step: it is closed, never reused
+    a, b = socket.socketpair()
+    a.sendall(framing._HEADER.pack(1, 0, framing.MAX_FRAME_BYTES + 1))
+    with pytest.raises(framing.FrameError, match="bytes"):
+        framing.recv_frame(b, (1,))
+    assert framing.wait_readable(b, 0) is False
+    framing.send_frame(a, 1, 3, b"ok")
+    assert framing.wait_readable(b, 1.0) and framing.recv_frame(b, (1,))[1] == 3
+    a.close()
+    b.close()
 
 
 # -- the step loop ---------------------------------------------------------------------------

@@ -72,9 +72,7 @@ def cached_of(family: str) -> list:
 
 
 # TEST_VISION_FAMILIES=a,b limits a development run to some families (unset: every family)
-FAMILIES = [
-    f for f in VISION if f in (os.environ.get("TEST_VISION_FAMILIES") or f).split(",")
-]
+FAMILIES = [f for f in VISION if f in (os.environ.get("TEST_VISION_FAMILIES") or f).split(",")]
 REQUESTS = {family: requests_of(family) for family in FAMILIES}
 CACHED = {family: cached_of(family) for family in FAMILIES}
 

@@ -1,0 +1,164 @@
+"""What media a chat request may carry, decided at the ingress before any replica sees it.
+
+Why at the ingress, and why vLLM's own parser: an image a model cannot use, a URL the app
+must not fetch, a broken or oversized image are the client's errors; answering them with a
+4xx here (an OpenAI-style body, :func:`rbln_ray.serve.ingress.error_response`) costs no engine
+anything. The replica parses a message's content parts with vLLM's chat parser, which also
+takes parts without a ``type`` (``{"image_url": "http://..."}``), ``video_url``,
+``audio_url``, ``input_audio``, precomputed ``*_embeds`` and cache references by ``uuid``; a
+check that walked only typed ``image_url`` parts could be bypassed (a replica would fetch any
+URL: server-side request forgery). So every part is classified by vLLM's own function
+(:func:`rbln_ray.upstream.vllm_internals.content_part`), and the replica is also told to fetch
+nothing remote unless configured (:func:`replica_media_args`): two locks, either enough.
+
+A data URL is decoded and the image opened to read its size before its pixels are decoded (a
+decompression bomb is refused by its header); that work runs off the event loop
+(:func:`check_media` is called in a thread).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from rbln_ray.serve.config import RequestLimits
+
+# A host name that never resolves (RFC 2606): vLLM's "only these domains" for a replica that
+# must fetch nothing remote (an empty list means "any domain" to vLLM).
+NO_REMOTE_DOMAIN = "remote-media-disabled.invalid"
+IMAGE_PARTS = ("image_url", "input_image")
+OTHER_MEDIA = {
+    "video_url": "video",
+    "audio_url": "audio",
+    "input_audio": "audio",
+}
+# parts a request may not carry: precomputed embeddings skip every check of the media
+NOT_ACCEPTED = ("image_embeds", "audio_embeds", "video_embeds", "prompt_embeds", "image_pil")
+
+
+@dataclass(frozen=True)
+class MediaPart:
+    """One non-text content part, as vLLM's parser reads it."""
+
+    kind: str  # vLLM's part type (image_url, video_url, image_embeds, ...)
+    content: Any  # a URL for *_url parts
+    uuid: Any = None
+
+
+def media_parts(messages: Iterable[Any]) -> Iterator[MediaPart]:
+    """Every non-text content part of chat ``messages`` (typed or not)."""
+    from rbln_ray.upstream.vllm_internals import content_part
+
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            kind, value = content_part(part)
+            if kind in ("text", "input_text", "output_text", "refusal", "thinking"):
+                continue
+            yield MediaPart(kind, value, part.get("uuid"))
+
+
+def check_media(
+    model: str, parts: list[MediaPart], accepts: tuple[str, ...], limits: RequestLimits
+) -> tuple[int, str] | None:
+    """(HTTP status, message) of the first problem with a request's media, or None.
+    ``accepts``: the media the model takes (``("image",)`` for a vision-language model)."""
+    images = [p for p in parts if p.kind in IMAGE_PARTS]
+    if len(images) > limits.max_images:
+        return 400, (
+            f"the request carries {len(images)} images, more than limits.max_images "
+            f"= {limits.max_images}"
+        )
+    for i, part in enumerate(parts):
+        if part.kind in NOT_ACCEPTED:
+            return 400, f"content part {i}: {part.kind} inputs are not accepted"
+        if part.uuid is not None and part.content is None:
+            return 400, f"content part {i}: a media reference by uuid alone is not accepted"
+        media = "image" if part.kind in IMAGE_PARTS else OTHER_MEDIA.get(part.kind)
+        if media is None:
+            continue  # vLLM refuses an unknown part type itself, with a 400
+        if media not in accepts:
+            return 400, f"model {model!r} does not accept {media} inputs"
+        if media != "image":
+            return 400, f"content part {i}: {media} inputs are not served yet"
+    for i, part in enumerate(images):
+        problem = _check_image(i, part.content, limits)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _check_image(i: int, url: Any, limits: RequestLimits) -> tuple[int, str] | None:
+    if not isinstance(url, str) or not url:
+        return 400, f"image {i}: no URL"
+    if not url.startswith("data:"):
+        if limits.allow_remote_images and url.startswith(("http://", "https://")):
+            return None
+        return 400, (
+            f"image {i}: only inline data: URLs are accepted "
+            f"(got {url[:40]!r}); remote images are off (limits.allow_remote_images)"
+        )
+    return _check_data_url(i, url, limits.max_image_pixels)
+
+
+def _check_data_url(i: int, url: str, max_pixels: int) -> tuple[int, str] | None:
+    from PIL import Image, UnidentifiedImageError
+
+    header, sep, payload = url.partition(",")
+    if not sep or not header.endswith(";base64"):
+        return 400, f"image {i}: a data URL must be 'data:image/<type>;base64,<data>'"
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        return 400, f"image {i}: the data URL is not valid base64 ({exc})"
+    try:
+        with Image.open(io.BytesIO(raw)) as image:
+            width, height = image.size
+            if width * height > max_pixels:
+                return 413, (
+                    f"image {i} is {width}x{height} = {width * height} pixels, above the "
+                    f"limit of {max_pixels} (limits.max_image_pixels)"
+                )
+            image.load()
+    except Image.DecompressionBombError as exc:
+        return 413, f"image {i}: {exc}"
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        return 400, f"image {i} cannot be decoded as an image: {exc}"
+    return None
+
+
+def check_processor_kwargs(parsed: Any, limits: RequestLimits) -> tuple[int, str] | None:
+    """A request's ``mm_processor_kwargs`` / ``media_io_kwargs`` may only name what the
+    config allows (they change how the HF processor resizes an image, before any check)."""
+    allowed = {
+        "mm_processor_kwargs": set(limits.allowed_mm_processor_kwargs),
+        "media_io_kwargs": set(limits.allowed_media_io_kwargs),
+    }
+    for field, names in allowed.items():
+        given = getattr(parsed, field, None) or {}
+        refused = sorted(set(given) - names)
+        if refused:
+            return 400, (f"{field} {refused} not allowed (limits.allowed_{field}: {sorted(names)})")
+    return None
+
+
+def replica_media_args(limits: RequestLimits, accepts_images: bool) -> dict[str, Any]:
+    """vLLM engine arguments that make a replica enforce the same policy: at most
+    ``max_images`` images a prompt, and no remote fetch unless allowed (then only from the
+    allowed domains, if any are named)."""
+    args: dict[str, Any] = {}
+    if accepts_images:
+        args["limit_mm_per_prompt"] = {"image": limits.max_images}
+    if not limits.allow_remote_images:
+        args["allowed_media_domains"] = [NO_REMOTE_DOMAIN]
+    elif limits.allowed_media_domains:
+        args["allowed_media_domains"] = list(limits.allowed_media_domains)
+    return args

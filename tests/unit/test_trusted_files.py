@@ -1,0 +1,48 @@
+"""The emulator loads a compiled file (a pickle) only if it can trust it: owner, modes of the
+file and its directory, and the digest written beside it at save time."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rbln_ray.emulator.trusted_files import (
+    UntrustedArtifactError,
+    check_trusted,
+    digest_path,
+    write_digest,
+)
+
+
+@pytest.fixture
+def artifact(tmp_path):
+    folder = tmp_path / "compiled"
+    folder.mkdir(mode=0o755)
+    path = folder / "prefill.rbln"
+    path.write_bytes(b"a pickle, for all the loader knows")
+    path.chmod(0o644)
+    write_digest(path)
+    return path
+
+
+def test_a_file_the_emulator_saved_is_trusted(artifact) -> None:
+    check_trusted(artifact)
+
+
+def test_an_altered_or_unrecorded_file_is_refused(artifact) -> None:
+    with artifact.open("ab") as f:
+        f.write(b" and then some")
+    with pytest.raises(UntrustedArtifactError, match="does not match its recorded digest"):
+        check_trusted(artifact)
+    digest_path(artifact).unlink()
+    with pytest.raises(UntrustedArtifactError, match="has no digest"):
+        check_trusted(artifact)
+
+
+@pytest.mark.parametrize("target", ["file", "directory"])
+def test_a_file_others_may_write_is_refused(artifact, target: str) -> None:
+    where = artifact if target == "file" else artifact.parent
+    os.chmod(where, 0o777 if target == "directory" else 0o666)
+    with pytest.raises(UntrustedArtifactError, match="writable by other users"):
+        check_trusted(artifact)
