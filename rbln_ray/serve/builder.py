@@ -153,6 +153,10 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
     if isinstance(args, dict) and set(args) == {"config"}:  # serve run ... config=FILE
         args = args["config"]
     config = load_config(args)
+    from rbln_ray.serve.vllm_args import serve_namespace
+
+    for m in config.models:  # vLLM's own checks of each model's options, before any replica
+        serve_namespace(m.model, m.name, m.vllm_kwargs())
     if ray.is_initialized():  # inside the cluster (serve deploy/run): fail fast if infeasible
         wait_placeable(
             [

@@ -41,27 +41,20 @@ def resolve_model_path(model: str) -> str:
 def engine_namespace(
     cfg: ModelDeploymentConfig, model_path: str, limits: RequestLimits | None = None
 ):
-    """``vllm serve``'s parsed arguments for this model, with rbln-ray's engine settings and
-    the app's media policy (:func:`rbln_ray.serve.media_policy.replica_media_args`: it wins
-    over ``engine_kwargs``)."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
+    """``vllm serve``'s parsed arguments for this model (its options parsed by vLLM's own
+    parser, :mod:`rbln_ray.serve.vllm_args`), with rbln-ray's engine settings and the app's
+    media policy (:func:`rbln_ray.serve.media_policy.replica_media_args`: it wins over
+    ``engine_kwargs``)."""
     from rbln_ray.families.registry import vision_for_dir
     from rbln_ray.serve.media_policy import replica_media_args
+    from rbln_ray.serve.vllm_args import serve_namespace
     from rbln_ray.vllm_plugin.options import PREFIX
 
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(
-        ["--model", model_path, "--served-model-name", cfg.name]
-    )
-    for key, value in cfg.engine_kwargs.items():
-        if not hasattr(args, key):
-            raise ValueError(f"engine_kwargs: unknown vLLM option {key!r} for model {cfg.name}")
-        setattr(args, key, value)
+    kwargs = cfg.vllm_kwargs()
     accepts_images = vision_for_dir(model_path) is not None
-    for key, value in replica_media_args(limits or RequestLimits(), accepts_images).items():
-        setattr(args, key, value)
-    if "fingerprint_mode" not in cfg.engine_kwargs:
+    kwargs.update(replica_media_args(limits or RequestLimits(), accepts_images))
+    args = serve_namespace(model_path, cfg.name, kwargs)
+    if "fingerprint_mode" not in kwargs:
         # vLLM's default fingerprint hashes the whole engine config, which includes this
         # replica's own Ray driver details: every replica would answer with another one.
         args.fingerprint_mode = "custom"
@@ -73,6 +66,8 @@ def engine_namespace(
         PREFIX + "compile": cfg.compile.as_dict(),
         **{PREFIX + name: value for name, value in placement.items()},
     }
+    # The ingress owns authentication: calls it forwards carry no key.
+    args.api_key = None
     return args
 
 
