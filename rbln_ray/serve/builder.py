@@ -25,7 +25,7 @@ from rbln_ray.serve.config import (
     RequestLimits,
     load_config,
 )
-from rbln_ray.serve.ingress import OpenAIIngress, app
+from rbln_ray.serve.ingress import OpenAIIngress
 from rbln_ray.serve.naming import server_deployment_name
 from rbln_ray.serve.server import LLMServer
 
@@ -124,9 +124,13 @@ def build_server(
         "graceful_shutdown_timeout_s": 30,
         "ray_actor_options": {"num_cpus": 0},
     }
-    if routing == "prefix_affinity":
+    if routing == "prefix_affinity":  # it also pins calls about stored responses
         options["request_router_config"] = RequestRouterConfig(
             request_router_class="rbln_ray.serve.routing.PrefixAffinityRouter"
+        )
+    elif cfg.responses_store:
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class="rbln_ray.serve.routing.ResponseAffinityRouter"
         )
     if cfg.autoscaling_config is not None:
         options["autoscaling_config"] = cfg.autoscaling_config
@@ -166,7 +170,9 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
             ]
         )  # fmt: skip
     servers = {m.name: build_server(m, config.routing, config.limits) for m in config.models}
-    ingress = serve.deployment(serve.ingress(app)(OpenAIIngress)).options(
+    # Late-bound: each ingress replica builds its app (vLLM's routes) in
+    # OpenAIIngress.__serve_build_asgi_app__.
+    ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
         **ingress_options(config.ingress)
     )
     lens = {m.name: compiled_max_seq_len(m) for m in config.models}
