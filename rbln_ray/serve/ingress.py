@@ -30,7 +30,6 @@ from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -601,9 +600,7 @@ async def _http_exception(request: Request, exc: StarletteHTTPException) -> Resp
 def build_ingress_app(ingress: OpenAIIngress) -> FastAPI:
     """The ingress's FastAPI app: vLLM's routes, sorted by :func:`routes.classify`."""
     from vllm import __version__ as vllm_version
-    from vllm.entrypoints.serve.exception_handling.handlers.validation import (
-        validation_exception_handler,
-    )
+    from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
 
     app = FastAPI(title="rbln-ray", description="vLLM's OpenAI-compatible API on RBLN NPUs")
     app.state.args = types.SimpleNamespace(log_error_stack=False)  # read by vLLM's handlers
@@ -638,7 +635,7 @@ def build_ingress_app(ingress: OpenAIIngress) -> FastAPI:
     app.add_api_route("/version", version, methods=["GET"])
     app.add_api_route("/v1/models", ingress.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", model_card, methods=["GET"])
-    app.add_exception_handler(RequestValidationError, validation_exception_handler)
+    init_exception_handler(app)  # vLLM's: its request models raise vLLM's own errors too
     app.add_exception_handler(StarletteHTTPException, _http_exception)
     app.add_middleware(Admission, ingress=ingress)
     return app
