@@ -248,9 +248,8 @@ def test_tool_calls_auto_required_and_named(narrow_app: RunningApp, tokenizer) -
     ids = httpx.post(f"{narrow_app.url}/tokenize", json=body, timeout=60).json()["tokens"]
     expected = tokenizer.apply_chat_template(
         history, tools=TOOLS, chat_template=HERMES_TEMPLATE.read_text(),
-        add_generation_prompt=True, tokenize=True,
-    )  # fmt: skip
-    expected = expected["input_ids"] if isinstance(expected, dict) else expected
+        add_generation_prompt=True, tokenize=True, return_dict=True,
+    )["input_ids"]  # fmt: skip
     assert ids == list(expected)
     answer = client.chat.completions.create(
         model="tiny", messages=history, tools=TOOLS, max_tokens=8,
