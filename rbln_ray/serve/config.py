@@ -15,6 +15,10 @@ Example (YAML)::
         num_replicas: 2      # or autoscaling_config: {min_replicas: 1, max_replicas: 4}
         placement_strategy: PACK
         engine_kwargs: {}    # any `vllm serve` option, by its Python name
+        # vllm serve's chat options (README, "Tool calling and reasoning"):
+        # chat_template: /path/tmpl.jinja, tool_call_parser: hermes,
+        # enable_auto_tool_choice: true, reasoning_parser: deepseek_r1
+        # responses_store: true    # Responses API store, retrieve, cancel
       - name: embed          # an encoder (BERT): /v1/embeddings and /v1/score
         model: /models/bert-compiled
 """

@@ -26,6 +26,7 @@ from rbln_ray.serve.http_call import (
 from rbln_ray.serve.routes import Kind, markdown, table, text
 
 GOLDEN = Path(__file__).parent / "data" / "vllm_routes.txt"
+ROOT = Path(__file__).resolve().parents[2]
 JSON = ((b"content-type", b"application/json"),)
 KEY = "sekrit"
 
@@ -46,6 +47,7 @@ def test_the_route_table_is_vllms_sorted_by_kind() -> None:
     assert {"/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
             "/detokenize", "/pooling", "/classify", "/v2/rerank"} <= served  # fmt: skip
     assert "| POST | `/sleep` | engine control" in markdown()
+    assert markdown() in (ROOT / "docs" / "ROUTES.md").read_text(), "regenerate docs/ROUTES.md"
 
 
 # ------------------------------------------------------------------ ids and prefixes
