@@ -178,5 +178,10 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
     lens = {m.name: compiled_max_seq_len(m) for m in config.models}
     image_models = [m.name for m in config.models if accepts_images(m)]
     return ingress.bind(
-        servers, config.resolved_api_key(), config.limits.model_dump(), lens, image_models
+        servers,
+        config.resolved_api_key(),
+        config.limits.model_dump(),
+        lens,
+        image_models,
+        config.cors_allowed_origins,
     )

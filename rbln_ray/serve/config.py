@@ -200,6 +200,9 @@ class AppConfig(_Strict):
     api_key_env: str | None = None
     api_key_file: str | None = None
     routing: Literal["load_aware", "prefix_affinity"] = "load_aware"
+    # Browser origins allowed to call the app (CORS; `vllm serve`'s --allowed-origins, which
+    # defaults to every origin). Empty: no CORS headers, browsers refuse cross-origin calls.
+    cors_allowed_origins: list[str] = Field(default_factory=list)
     limits: RequestLimits = Field(default_factory=lambda: RequestLimits())
     ingress: IngressConfig = Field(default_factory=lambda: IngressConfig())
     models: list[ModelDeploymentConfig] = Field(min_length=1)

@@ -282,6 +282,7 @@ class OpenAIIngress:
         limits: dict[str, Any] | None = None,
         max_model_lens: dict[str, int | None] | None = None,
         image_models: list[str] | None = None,
+        cors_allowed_origins: list[str] | None = None,
     ) -> None:
         from ray import serve
 
@@ -296,6 +297,7 @@ class OpenAIIngress:
             max_model_lens,
             image_models,
             serve.get_replica_context().app_name,
+            cors_allowed_origins,
         )
 
     def configure(
@@ -306,8 +308,10 @@ class OpenAIIngress:
         max_model_lens: dict[str, int | None] | None,
         image_models: list[str] | None,
         app_name: str,
+        cors_allowed_origins: list[str] | None = None,
     ) -> None:
         """Set the ingress up (its constructor's work without a Serve replica: tests)."""
+        self.cors_allowed_origins = list(cors_allowed_origins or ())
         self.limits = limits
         self.servers = servers
         self.max_model_lens = dict(max_model_lens or {})
@@ -638,6 +642,15 @@ def build_ingress_app(ingress: OpenAIIngress) -> FastAPI:
     init_exception_handler(app)  # vLLM's: its request models raise vLLM's own errors too
     app.add_exception_handler(StarletteHTTPException, _http_exception)
     app.add_middleware(Admission, ingress=ingress)
+    if ingress.cors_allowed_origins:  # outermost: a preflight needs no API key
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=ingress.cors_allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     return app
 
 

@@ -320,6 +320,27 @@ def test_auth_unserved_routes_and_ingress_routes(ingress_app) -> None:
     assert r.status_code == 200
 
 
+def test_cors_preflight_is_answered_for_allowed_origins_only(vllm_app) -> None:
+    from rbln_ray.serve.ingress import OpenAIIngress, build_ingress_app
+
+    ingress = OpenAIIngress.__new__(OpenAIIngress)
+    servers = {"m": FakeServer("m", vllm_app)}
+    ingress.configure(servers, KEY, RequestLimits(), {}, [], "app", ["https://ui.example"])
+    app = build_ingress_app(ingress)
+    preflight = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST"}
+
+    async def go(origin: str):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
+            return await client.options("/v1/completions", headers={**preflight,
+                                                                    "Origin": origin})  # fmt: skip
+
+    allowed = asyncio.run(go("https://ui.example"))
+    assert allowed.status_code == 200  # no API key needed for a preflight
+    assert allowed.headers["access-control-allow-origin"] == "https://ui.example"
+    assert asyncio.run(go("https://evil.example")).status_code == 400
+
+
 def test_stored_response_calls_go_to_the_replica_in_their_id(ingress_app) -> None:
     app, servers = ingress_app
     rid = new_response_id("other", "replica7")
