@@ -438,6 +438,11 @@ def main(argv: list[str] | None = None) -> int:
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
         TOKENIZERS_PARALLELISM="false",
     )
+    # every node's Serve proxy caps request bodies (rbln_ray/serve/proxy_guard.py)
+    from rbln_ray.serve.config import RequestLimits
+    from rbln_ray.serve.proxy_guard import proxy_env
+
+    env.update(proxy_env(RequestLimits().max_request_bytes))
     result: dict[str, Any] = {"ok": False}
     started = time.monotonic()
     try:
