@@ -74,10 +74,17 @@ def hf_vlm_greedy(
     images, prepared by the model's own HF processor."""
     import torch
 
+    from rbln_ray.families.registry import vision_for_dir
+
     model, processor = _reference(model_dir)
     inputs = processor(images=images or None, text=[prompt], return_tensors="pt")
+    generate = model.generate
+    if not images and vision_for_dir(model_dir).name == "blip2":
+        # BLIP-2's generate requires pixel_values: a prompt without an image is its language
+        # model's alone (as optimum-rbln's and vLLM's BLIP-2 run it)
+        generate = model.language_model.generate
     with torch.no_grad():
-        out = model.generate(
+        out = generate(
             **inputs,
             max_new_tokens=max_new_tokens,
             do_sample=False,

@@ -455,6 +455,20 @@ _FAMILIES: tuple[Family, ...] = (
         language_submodule="",
         vision_submodule="visual",
     ),
+    # Salesforce/blip2-opt-*: a ViT, a Q-Former whose learned queries become the image's
+    # tokens, a linear projection, an OPT LM; the processor puts the image before the text.
+    VisionFamily(
+        "blip2",
+        "Blip2ForConditionalGeneration",
+        "RBLNBlip2ForConditionalGeneration",
+        {"": VISION_TEST},
+        module="blip2",
+        vision_tower="RBLNBlip2VisionModel",
+        language_family="opt",
+        max_images=1,
+        images_at_start=True,
+        notes="one image per prompt, before the text (no placeholder in the prompt)",
+    ),
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILIES}

@@ -22,9 +22,7 @@ from tests.serve.conftest import RunningApp, free_port, start_app, stop_app
 pytestmark = pytest.mark.slow
 
 # TEST_VISION_FAMILIES=a,b limits a development run to some families (unset: every family)
-FAMILIES = [
-    f for f in VISION if f in (os.environ.get("TEST_VISION_FAMILIES") or f).split(",")
-]
+FAMILIES = [f for f in VISION if f in (os.environ.get("TEST_VISION_FAMILIES") or f).split(",")]
 WAVE = 3
 GREEDY = {"max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
