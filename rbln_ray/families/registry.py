@@ -469,6 +469,18 @@ _FAMILIES: tuple[Family, ...] = (
         images_at_start=True,
         notes="one image per prompt, before the text (no placeholder in the prompt)",
     ),
+    # llava-hf/llava-v1.6-*: LLaVA over several tiles of an image ("any resolution"); an image
+    # is as many tokens as its size and aspect ratio make
+    VisionFamily(
+        "llava_next",
+        "LlavaNextForConditionalGeneration",
+        "RBLNLlavaNextForConditionalGeneration",
+        {"": VISION_TEST},
+        module="llava_next",
+        declaration="RBLNLlavaNextDeclaration",
+        vision_tower="RBLNCLIPVisionModel",
+        language_family="llama",
+    ),
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILIES}
