@@ -481,6 +481,19 @@ _FAMILIES: tuple[Family, ...] = (
         vision_tower="RBLNCLIPVisionModel",
         language_family="llama",
     ),
+    # HuggingFaceM4/Idefics3-*, SmolVLM: an encoder over tiles of an image plus a global tile,
+    # a pixel-shuffle connector, a Llama LM (the artifact's text_model)
+    VisionFamily(
+        "idefics3",
+        "Idefics3ForConditionalGeneration",
+        "RBLNIdefics3ForConditionalGeneration",
+        {"": VISION_TEST},
+        module="idefics3",
+        declaration="RBLNIdefics3Declaration",
+        vision_tower="RBLNIdefics3VisionTransformer",
+        language_family="llama",
+        language_submodule="text_model",
+    ),
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILIES}
