@@ -494,6 +494,25 @@ _FAMILIES: tuple[Family, ...] = (
         language_family="llama",
         language_submodule="text_model",
     ),
+    # google/paligemma-*: a SigLIP tower, a linear projector, a Gemma LM reading the whole
+    # prompt (image and text) as a bidirectional prefix
+    VisionFamily(
+        "paligemma",
+        "PaliGemmaForConditionalGeneration",
+        "RBLNPaliGemmaForConditionalGeneration",
+        {"": VISION_TEST},
+        module="paligemma",
+        declaration="RBLNPaliGemmaDeclaration",
+        vision_tower="RBLNSiglipVisionModel",
+        language_family="gemma",
+        max_images=1,
+        images_at_start=True,
+        prefix_caching=False,
+        chunked_prefill=False,
+        notes="prefix-LM: the whole prompt attends bidirectionally, so it is prefilled in one "
+        "call from position 0 (no chunked prefill, no prefix caching); one image per prompt, "
+        "before the text",
+    ),
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILIES}
