@@ -71,7 +71,7 @@ def _reference(model_dir: Path):
 # bidirectionally (test_bidirectional_prefill_changes_the_output): PaliGemma's prompt is a
 # prefix (token type 0) unless marked as a suffix (1); Gemma3's images are bidirectional blocks
 # (1) unless marked as text (0).
-CAUSAL_TOKEN_TYPE = {"paligemma": 1, "gemma3": 0}
+CAUSAL_TOKEN_TYPE = {"paligemma": 1, "gemma3_vl": 0}
 
 
 def hf_vlm_greedy(

@@ -513,6 +513,24 @@ _FAMILIES: tuple[Family, ...] = (
         "call from position 0 (no chunked prefill, no prefix caching); one image per prompt, "
         "before the text",
     ),
+    # google/gemma-3-*-it: a SigLIP tower, a pooling projector, the Gemma3 LM (sliding and
+    # global layers) whose prefill reads each image's tokens bidirectionally
+    VisionFamily(
+        "gemma3_vl",
+        "Gemma3ForConditionalGeneration",
+        "RBLNGemma3ForConditionalGeneration",
+        {"": VISION_TEST},
+        module="gemma3_vl",
+        declaration="RBLNGemma3Declaration",
+        vision_tower="RBLNSiglipVisionModel",
+        language_family="gemma3",
+        prefix_caching=False,
+        chunked_prefill=False,
+        notes="a prompt is prefilled in one call from position 0 (optimum-rbln's Gemma3 "
+        "prefill masks from the call's start and routes image tokens to a bidirectional "
+        "graph), so no chunked prefill; no prefix caching (that, and sliding-window layers); "
+        "eager attention only",
+    ),
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILIES}

@@ -113,7 +113,12 @@ def build_tiny_vlm(
     if (out / "config.json").exists():
         return out
     code = VISION[spec.family].code()
-    tokenizer = AutoTokenizer.from_pretrained(build_tokenizer(spec.language.vocab_size))
+    # named special tokens (tokenizer.image_token, ...) the family's processor looks up
+    named = getattr(code, "NAMED_TOKENS", None)
+    tokenizer = AutoTokenizer.from_pretrained(
+        build_tokenizer(spec.language.vocab_size),
+        **({"extra_special_tokens": dict(named)} if named else {}),
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": list(code.SPECIAL_TOKENS)})
     tokenizer.chat_template = chat_template(
         code.PLACEHOLDER, getattr(code, "GENERATION_PROMPT", GENERATION_PROMPT)
