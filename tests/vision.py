@@ -67,17 +67,43 @@ def _reference(model_dir: Path):
     return _MODELS[key]
 
 
+# How transformers is told to prefill causally, for the families whose prefill attends partly
+# bidirectionally (test_bidirectional_prefill_changes_the_output): PaliGemma's prompt is a
+# prefix (token type 0) unless marked as a suffix (1); Gemma3's images are bidirectional blocks
+# (1) unless marked as text (0).
+CAUSAL_TOKEN_TYPE = {"paligemma": 1, "gemma3_vl": 0}
+
+
 def hf_vlm_greedy(
-    model_dir: Path, prompt: str, images: list, max_new_tokens: int
+    model_dir: Path, prompt: str, images: list, max_new_tokens: int, causal: bool = False
 ) -> tuple[list[int], list[int]]:
     """transformers' (prompt token ids, greedy new token ids) for a text prompt with its
-    images, prepared by the model's own HF processor."""
+    images, prepared by the model's own HF processor (``causal``: with a causal prefill, for
+    the families of :data:`CAUSAL_TOKEN_TYPE`)."""
     import torch
 
+    from rbln_ray.families.registry import vision_for_dir
+
     model, processor = _reference(model_dir)
-    inputs = processor(images=images or None, text=[prompt], return_tensors="pt")
+    family = vision_for_dir(model_dir).name
+    if not images and family == "paligemma":
+        # PaliGemma's processor refuses a prompt without an image; vLLM runs no multimodal
+        # processor for one: its tokens as they are (PaliGemma's tokenizer adds no BOS). The
+        # whole prompt is the prefix, attended bidirectionally: token_type_ids 0, as the
+        # processor gives every prompt token.
+        inputs = processor.tokenizer([prompt], add_special_tokens=False, return_tensors="pt")
+        inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
+    else:
+        inputs = processor(images=images or None, text=[prompt], return_tensors="pt")
+    if causal:
+        inputs["token_type_ids"] = torch.full_like(inputs["input_ids"], CAUSAL_TOKEN_TYPE[family])
+    generate = model.generate
+    if not images and family == "blip2":
+        # BLIP-2's generate requires pixel_values: a prompt without an image is its language
+        # model's alone (as optimum-rbln's and vLLM's BLIP-2 run it)
+        generate = model.language_model.generate
     with torch.no_grad():
-        out = model.generate(
+        out = generate(
             **inputs,
             max_new_tokens=max_new_tokens,
             do_sample=False,

@@ -455,6 +455,82 @@ _FAMILIES: tuple[Family, ...] = (
         language_submodule="",
         vision_submodule="visual",
     ),
+    # Salesforce/blip2-opt-*: a ViT, a Q-Former whose learned queries become the image's
+    # tokens, a linear projection, an OPT LM; the processor puts the image before the text.
+    VisionFamily(
+        "blip2",
+        "Blip2ForConditionalGeneration",
+        "RBLNBlip2ForConditionalGeneration",
+        {"": VISION_TEST},
+        module="blip2",
+        vision_tower="RBLNBlip2VisionModel",
+        language_family="opt",
+        max_images=1,
+        images_at_start=True,
+        notes="one image per prompt, before the text (no placeholder in the prompt)",
+    ),
+    # llava-hf/llava-v1.6-*: LLaVA over several tiles of an image ("any resolution"); an image
+    # is as many tokens as its size and aspect ratio make
+    VisionFamily(
+        "llava_next",
+        "LlavaNextForConditionalGeneration",
+        "RBLNLlavaNextForConditionalGeneration",
+        {"": VISION_TEST},
+        module="llava_next",
+        declaration="RBLNLlavaNextDeclaration",
+        vision_tower="RBLNCLIPVisionModel",
+        language_family="llama",
+    ),
+    # HuggingFaceM4/Idefics3-*, SmolVLM: an encoder over tiles of an image plus a global tile,
+    # a pixel-shuffle connector, a Llama LM (the artifact's text_model)
+    VisionFamily(
+        "idefics3",
+        "Idefics3ForConditionalGeneration",
+        "RBLNIdefics3ForConditionalGeneration",
+        {"": VISION_TEST},
+        module="idefics3",
+        declaration="RBLNIdefics3Declaration",
+        vision_tower="RBLNIdefics3VisionTransformer",
+        language_family="llama",
+        language_submodule="text_model",
+    ),
+    # google/paligemma-*: a SigLIP tower, a linear projector, a Gemma LM reading the whole
+    # prompt (image and text) as a bidirectional prefix
+    VisionFamily(
+        "paligemma",
+        "PaliGemmaForConditionalGeneration",
+        "RBLNPaliGemmaForConditionalGeneration",
+        {"": VISION_TEST},
+        module="paligemma",
+        declaration="RBLNPaliGemmaDeclaration",
+        vision_tower="RBLNSiglipVisionModel",
+        language_family="gemma",
+        max_images=1,
+        images_at_start=True,
+        prefix_caching=False,
+        chunked_prefill=False,
+        notes="prefix-LM: the whole prompt attends bidirectionally, so it is prefilled in one "
+        "call from position 0 (no chunked prefill, no prefix caching); one image per prompt, "
+        "before the text",
+    ),
+    # google/gemma-3-*-it: a SigLIP tower, a pooling projector, the Gemma3 LM (sliding and
+    # global layers) whose prefill reads each image's tokens bidirectionally
+    VisionFamily(
+        "gemma3_vl",
+        "Gemma3ForConditionalGeneration",
+        "RBLNGemma3ForConditionalGeneration",
+        {"": VISION_TEST},
+        module="gemma3_vl",
+        declaration="RBLNGemma3Declaration",
+        vision_tower="RBLNSiglipVisionModel",
+        language_family="gemma3",
+        prefix_caching=False,
+        chunked_prefill=False,
+        notes="a prompt is prefilled in one call from position 0 (optimum-rbln's Gemma3 "
+        "prefill masks from the call's start and routes image tokens to a bidirectional "
+        "graph), so no chunked prefill; no prefix caching (that, and sliding-window layers); "
+        "eager attention only",
+    ),
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILIES}

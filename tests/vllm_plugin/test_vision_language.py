@@ -29,7 +29,13 @@ from rbln_ray.families.registry import VISION
 from rbln_ray.models import build_tiny_vlm
 from rbln_ray.models.vision import image_placeholder
 from tests.helpers import SCRIPTS, run_python
-from tests.vision import compiled_vlm, hf_vlm_greedy, image_spec, make_image
+from tests.vision import (
+    CAUSAL_TOKEN_TYPE,
+    compiled_vlm,
+    hf_vlm_greedy,
+    image_spec,
+    make_image,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -61,14 +67,22 @@ def requests_of(family: str) -> list:
         requests.append((chat("x = 1\n" * 40 + "<image>what is this?"), [image_spec(4)]))
     if family == "qwen2_vl":  # the largest image the processor makes (64 tokens) across 128
         requests.append((chat("z = 3\n" * 24 + "<image>and now?"), [image_spec(9, 224, 224)]))
-    return [(prompt.replace("<image>", img), images) for prompt, images in requests]
+    return [
+        (as_prompt(family, prompt.replace("<image>", img)), images) for prompt, images in requests
+    ]
 
 
 def cached_of(family: str) -> list:
     """Same text, different images at the start: their first 128-token blocks differ by the
     image."""
     text = image_placeholder(family) + "y = 2\n" * 40 + "what now?"
-    return [(chat(text), [image_spec(6)]), (chat(text), [image_spec(8)])]
+    return [(as_prompt(family, chat(text)), [image_spec(s)]) for s in (6, 8)]
+
+
+def as_prompt(family: str, prompt: str) -> str:
+    """PaliGemma's generation prompt ends without a newline: its processor appends one
+    (transformers' always, vLLM's unless the prompt ends with one)."""
+    return prompt.removesuffix("\n") if family == "paligemma" else prompt
 
 
 # TEST_VISION_FAMILIES=a,b limits a development run to some families (unset: every family)
@@ -131,17 +145,32 @@ def test_images_change_the_output(family: str) -> None:
     assert first != other
 
 
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f in CAUSAL_TOKEN_TYPE])
+def test_bidirectional_prefill_changes_the_output(family: str) -> None:
+    """Where the prefill attends partly bidirectionally (PaliGemma's whole prompt, Gemma3's
+    images), the reference's tokens depend on it, so matching it means the compiled prefill
+    attended so too."""
+    hf_dir = build_tiny_vlm(family=family)
+    prompt, specs = REQUESTS[family][0]
+    images = [make_image(**s) for s in specs]
+    _, want = hf_vlm_greedy(hf_dir, prompt, images, MAX_TOKENS)
+    _, causal = hf_vlm_greedy(hf_dir, prompt, images, MAX_TOKENS, causal=True)
+    assert want != causal
+
+
+# (no case when TEST_VISION_FAMILIES leaves Qwen2-VL out)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f == "qwen2_vl"])
 def test_qwen2_vl_images_are_as_many_tokens_as_their_size_and_lie_where_asked(
-    runs: dict,
+    runs: dict, family: str
 ) -> None:
     """Qwen2-VL's processor resizes each image to multiples of 28 pixels within its budget,
     one token per 28 x 28: the prompts above cover 4 to 64 image tokens, an image past the
     first prefill chunk and one across the chunk boundary."""
     from rbln_ray.compile.vision import load_hf_processor
 
-    pad = load_hf_processor(build_tiny_vlm(family="qwen2_vl")).image_token_id
+    pad = load_hf_processor(build_tiny_vlm(family=family)).image_token_id
     spans = []
-    for ids in runs["qwen2_vl"][0]["prompt_token_ids"]:
+    for ids in runs[family][0]["prompt_token_ids"]:
         where = [i for i, t in enumerate(ids) if t == pad]
         spans.append((where[0], where[-1] + 1, len(where)) if where else None)
     assert {s[2] for s in spans if s} >= {4, 28, 64}  # image sizes: 4, 28 and 64 tokens
