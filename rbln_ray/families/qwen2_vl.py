@@ -15,18 +15,21 @@ What differs from LLaVA (:mod:`.llava`), everywhere a request goes:
   from the processor's budget), and a larger image is refused before it reaches the engine.
 * **M-RoPE.** The language model rotates by three positions per token (temporal, height,
   width): text tokens have all three equal and consecutive, an image's tokens the image's
-  start plus their row and column, and text after an image continues from one past the
-  image's largest position. Positions run behind token indices by a per-request ``delta``
-  (:func:`mrope_positions`, following transformers' ``get_rope_index``; checked against it
-  in ``tests/unit/test_mrope.py``). vLLM asks the model for them
-  (``SupportsMRoPE.get_mrope_input_positions``) and vLLM 0.30's own ``qwen2_vl`` module cannot
-  be imported here (torchvision), so the declaration and the RBLN runner both use this
-  function; optimum-rbln 0.12's graphs take them as one more input, ``position_emb`` (cos
-  and sin, computed on the host by the model's own method), at every prefill chunk and
-  decode step. KV positions stay token positions, so the scheduler, the KV blocks, chunked
-  prefill and prefix caching are the text path's.
+  start plus their row and column, and text after an image continues from there. Positions
+  run behind token indices by a per-request ``delta``. They are transformers' own
+  ``get_rope_index`` (:func:`rope_index`: the function ``generate`` and optimum-rbln's prefill
+  use; vLLM 0.30's own M-RoPE differs from it for videos), called on a stand-in holding the
+  HF config. vLLM asks the model for them (``SupportsMRoPE.get_mrope_input_positions``) and
+  vLLM 0.30's own ``qwen2_vl`` module cannot be imported here (torchvision), so the
+  declaration and the RBLN runner both use this function; optimum-rbln 0.12's graphs take
+  them as one more input, ``position_emb`` (cos and sin, computed on the host by the model's
+  own method), at every prefill chunk and decode step. KV positions stay token positions, so
+  the scheduler, the KV blocks, chunked prefill and prefix caching are the text path's.
 * **Where the decoder is.** ``RBLNQwen2VLForConditionalGeneration`` is itself the decoder;
   its vision tower is the ``visual`` submodule (the registry record says so).
+
+The later Qwen families (:mod:`.qwen2_5_vl`, :mod:`.qwen3_vl`) subclass the processor, the
+embedder and vLLM's classes here with their own transformers classes.
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ import math
 from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
+from types import MethodType, SimpleNamespace
 from typing import Any
 
 import torch
 from transformers import BatchFeature, ProcessorMixin, Qwen2VLConfig, Qwen2VLProcessor
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 from vllm.config.multimodal import BaseDummyOptions
 from vllm.inputs import MultiModalDataDict
 from vllm.model_executor.models.interfaces import SupportsMRoPE, SupportsMultiModal
@@ -75,28 +80,37 @@ SPEC_DEFAULTS = {"max_pixels": TINY_MAX_PIXELS}
 
 
 # ----------------------------------------------------------------------------- processor
-class Qwen2VLImageProcessorOnly(Qwen2VLProcessor):
-    """``Qwen2VLProcessor`` over images and text only (no video processor)."""
+class ImageOnly:
+    """What makes a Qwen-style processor work without its video processor: the attributes
+    transformers' ``__init__`` sets from the tokenizer (``TOKENS``: attribute -> default
+    token; each also gets its ``_id``), then ``ProcessorMixin.__init__`` with the image
+    processor and the tokenizer only (transformers' own ``__init__`` requires a video
+    processor). transformers 5.15 derives what a processor saves and loads from its
+    ``__init__`` signature, so the subclass saves and loads without one, and it saves
+    itself as the transformers class (``to_dict``) so any transformers install reads it.
+    Mixed in before the transformers class: ``class X(ImageOnly, Qwen2VLProcessor)``."""
+
+    TOKENS: dict[str, str] = {"image_token": IMAGE_PAD, "video_token": VIDEO_PAD}
 
     def __init__(
         self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kw
     ) -> None:
-        # What Qwen2VLProcessor.__init__ sets before its ProcessorMixin.__init__ (which would
-        # require the video processor).
-        self.image_token = getattr(tokenizer, "image_token", "<|image_pad|>")
-        self.video_token = getattr(tokenizer, "video_token", "<|video_pad|>")
-        self.image_token_id = getattr(
-            tokenizer, "image_token_id", None
-        ) or tokenizer.convert_tokens_to_ids(self.image_token)
-        self.video_token_id = getattr(
-            tokenizer, "video_token_id", None
-        ) or tokenizer.convert_tokens_to_ids(self.video_token)
+        for attr, default in self.TOKENS.items():
+            token = getattr(tokenizer, attr, default)
+            setattr(self, attr, token)
+            token_id = getattr(tokenizer, f"{attr}_id", None)
+            setattr(self, f"{attr}_id", token_id or tokenizer.convert_tokens_to_ids(token))
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kw)
 
     def to_dict(self) -> dict[str, Any]:
-        config = super().to_dict()
-        config["processor_class"] = Qwen2VLProcessor.__name__
+        config = super().to_dict()  # type: ignore[misc]
+        saved_as = next(c for c in type(self).__mro__ if c.__module__.startswith("transformers."))
+        config["processor_class"] = saved_as.__name__
         return config
+
+
+class Qwen2VLImageProcessorOnly(ImageOnly, Qwen2VLProcessor):
+    """``Qwen2VLProcessor`` over images and text only (no video processor)."""
 
 
 def load_processor(model_dir: str | Path, **kwargs: Any) -> Qwen2VLImageProcessorOnly:
@@ -139,56 +153,77 @@ def after_compile(hf_dir: str | Path, out: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- M-RoPE
-def image_grids(features: Sequence[Any]) -> list[tuple[int, int, int, int]]:
-    """``(offset, t, h, w)`` of every image of a request, in prompt order, from vLLM's
-    ``MultiModalFeatureSpec`` list (``image_grid_thw`` is kept on the CPU even when the
-    prefix cache drops an image's pixels, for this)."""
-    grids = []
-    for feature in sorted(features, key=lambda f: f.mm_position.offset):
-        if feature.modality != "image":
-            raise ValueError(f"{feature.modality} inputs are not supported (images only)")
-        if feature.data is None or "image_grid_thw" not in feature.data:
-            raise RuntimeError(f"image {feature.identifier} arrived without its image_grid_thw")
-        t, h, w = (int(x) for x in feature.data["image_grid_thw"].data.tolist())
-        grids.append((feature.mm_position.offset, t, h, w))
-    return grids
+# transformers' mm_token_type_ids: what each prompt token is (text 0, image 1, video 2)
+MODALITY_TYPES = {"image": 1, "video": 2}
 
 
-def mrope_positions(
-    num_tokens: int, grids: Sequence[tuple[int, int, int, int]], spatial_merge_size: int
+def media(features: Sequence[Any]) -> list[Any]:
+    """A request's images (and videos) in prompt order, from vLLM's ``MultiModalFeatureSpec``
+    list, each with its patch grid (``*_grid_thw`` is kept on the CPU even when the prefix
+    cache drops an item's pixels, for the positions)."""
+    items = sorted(features, key=lambda f: f.mm_position.offset)
+    for f in items:
+        if f.modality not in MODALITY_TYPES:
+            raise ValueError(f"{f.modality} inputs are not supported")
+        if f.data is None or f"{f.modality}_grid_thw" not in f.data:
+            raise RuntimeError(f"{f.modality} {f.identifier} arrived without its grid_thw")
+    return items
+
+
+def grid_of(feature: Any) -> tuple[int, int, int]:
+    """``(t, h, w)``: an image's or a video's grid of patches (temporal patches, rows, columns)."""
+    t, h, w = (int(x) for x in feature.data[f"{feature.modality}_grid_thw"].data.tolist())
+    return t, h, w
+
+
+def rope_index(
+    rope_model: type,
+    config: Any,
+    token_ids: Sequence[int],
+    features: Sequence[Any],
+    **extra: Any,
 ) -> tuple[torch.Tensor, int]:
-    """``([3, num_tokens] int64 positions, delta)`` of a prompt whose images are
-    ``(offset, t, h, w)`` (patch grids; each image's tokens start at ``offset`` and number
-    ``t * h * w / spatial_merge_size^2``). ``delta`` is what later positions add to their
-    token index."""
-    pieces: list[torch.Tensor] = []
-    text_start = 0  # token index where the current run of text begins
-    next_pos = 0  # the position the next token takes
-    for offset, t, h, w in grids:
-        if t != 1:
-            raise ValueError(f"an image has {t} frames; images have one")
-        if offset < text_start:
-            raise ValueError(f"images overlap at token {offset}")
-        text = offset - text_start
-        pieces.append(torch.arange(text).expand(3, -1) + next_pos)
-        next_pos += text
-        rows, cols = h // spatial_merge_size, w // spatial_merge_size
-        grid = torch.stack(
-            [
-                torch.zeros(rows, cols, dtype=torch.long),
-                torch.arange(rows).view(-1, 1).expand(rows, cols),
-                torch.arange(cols).view(1, -1).expand(rows, cols),
-            ]
-        ).reshape(3, -1)
-        pieces.append(grid + next_pos)
-        next_pos += max(rows, cols)
-        text_start = offset + rows * cols
-    if text_start > num_tokens:
-        raise ValueError(f"an image ends at token {text_start}, past the prompt's {num_tokens}")
-    pieces.append(torch.arange(num_tokens - text_start).expand(3, -1) + next_pos)
-    # the last position is next_pos + (num_tokens - text_start) - 1 (or the last image's
-    # largest when no text follows it, which is next_pos - 1 too): delta = that + 1 - tokens
-    return torch.cat(pieces, dim=1), next_pos - text_start
+    """``([3, len(token_ids)] int64 positions, delta)`` of a prompt, by transformers' own
+    ``rope_model.get_rope_index`` (e.g. ``Qwen2VLModel``'s): what ``generate`` and optimum-rbln's
+    prefill use, so positions follow each family's rule exactly (vLLM 0.30's own differ from
+    transformers 5.15's for videos: where text resumes after a video and how its temporal
+    positions round). ``delta`` is what later positions add to their token index.
+
+    The function reads only the model's config and its ``get_vision_position_ids`` (which
+    uses no state), so it runs on a stand-in holding the HF config: in vLLM's front end (the
+    declaration) and in the RBLN runner alike. Which tokens are an item's comes from the
+    item's placeholder range (the tokens it embeds at, ``is_embed``), as transformers' processor
+    marks them by token id; its grids go in prompt order. ``extra``: the family's other
+    arguments (Qwen2.5-VL's ``second_per_grid_ts``).
+    """
+    ids = torch.tensor([list(token_ids)], dtype=torch.long)
+    types = torch.zeros_like(ids, dtype=torch.int)
+    grids: dict[str, list[tuple[int, int, int]]] = {"image": [], "video": []}
+    for f in media(features):
+        where = f.mm_position
+        if where.offset + where.length > ids.shape[1]:
+            raise ValueError(
+                f"{f.modality} {f.identifier} ends at token {where.offset + where.length}, past "
+                f"the prompt's {ids.shape[1]}"
+            )
+        span = torch.arange(where.offset, where.offset + where.length)
+        if where.is_embed is not None:
+            span = span[where.is_embed]
+        if (types[0, span] != 0).any():
+            raise ValueError(f"{f.modality} {f.identifier} overlaps another at {where.offset}")
+        types[0, span] = MODALITY_TYPES[f.modality]
+        grids[f.modality].append(grid_of(f))
+    host = SimpleNamespace(config=config)
+    host.get_vision_position_ids = MethodType(rope_model.get_vision_position_ids, host)
+    positions, delta = rope_model.get_rope_index(
+        host,
+        ids,
+        types,
+        image_grid_thw=torch.tensor(grids["image"]) if grids["image"] else None,
+        video_grid_thw=torch.tensor(grids["video"]) if grids["video"] else None,
+        **extra,
+    )
+    return positions[:, 0], int(delta.view(-1)[0])
 
 
 def positions_span(
@@ -206,11 +241,14 @@ def positions_span(
 # ----------------------------------------------------------------------------- runner
 class Embedder(PromptEmbedder):
     """Prompt embeddings and position embeddings of an ``RBLNQwen2VLForConditionalGeneration``
-    (the decoder is the model itself; its vision tower is ``model.visual``)."""
+    (the decoder is the model itself; its vision tower is ``model.visual``). The other Qwen
+    families subclass it with their transformers model (``ROPE_MODEL``, whose
+    ``get_rope_index`` gives the positions)."""
+
+    ROPE_MODEL: type = Qwen2VLModel
 
     def __init__(self, model: Any) -> None:
         super().__init__(model)
-        self.merge_size = model.config.vision_config.spatial_merge_size
         self.dtype = model.rbln_config.dtype
 
     @property
@@ -222,13 +260,21 @@ class Embedder(PromptEmbedder):
         # 2 x 2 patches
         return self.model.visual(data["pixel_values"], grid_thw=data["image_grid_thw"].view(1, 3))
 
+    @classmethod
+    def rope_extra(cls, features: Sequence[Any]) -> dict[str, Any]:
+        """The family's further arguments of ``get_rope_index`` (none for Qwen2-VL)."""
+        return {}
+
     def positions(self, state: Any) -> tuple[torch.Tensor, int]:
         """The request's prompt M-RoPE positions ``[3, prompt_len]`` and delta, computed once
         (vLLM's ``mrope_positions`` / ``mrope_position_delta`` fields of the state)."""
         if state.mrope_positions is None:
-            grids = image_grids(state.mm_features)
-            state.mrope_positions, state.mrope_position_delta = mrope_positions(
-                len(state.prompt_token_ids), grids, self.merge_size
+            state.mrope_positions, state.mrope_position_delta = rope_index(
+                self.ROPE_MODEL,
+                self.model.config,
+                state.prompt_token_ids,
+                state.mm_features,
+                **self.rope_extra(state.mm_features),
             )
         return state.mrope_positions, state.mrope_position_delta
 
@@ -251,13 +297,18 @@ class Embedder(PromptEmbedder):
 # ----------------------------------------------------------------------------- vLLM
 class Qwen2VLProcessingInfo(BaseProcessingInfo):
     """Qwen2-VL: images resized to multiples of ``patch_size x merge_size`` within the
-    processor's pixel budget; one token per ``merge_size^2`` patches."""
+    processor's pixel budget; one token per ``merge_size^2`` patches. The other Qwen families
+    subclass it with their config and processor classes, and (windowed towers) how many
+    patches the tower runs for an image (:meth:`tower_length`)."""
 
-    def get_hf_config(self) -> Qwen2VLConfig:
-        return self.ctx.get_hf_config(Qwen2VLConfig)
+    CONFIG: type = Qwen2VLConfig
+    PROCESSOR: type = Qwen2VLImageProcessorOnly
 
-    def get_hf_processor(self, **kwargs: object) -> Qwen2VLImageProcessorOnly:
-        return self.ctx.get_hf_processor(Qwen2VLImageProcessorOnly, **kwargs)
+    def get_hf_config(self) -> Any:
+        return self.ctx.get_hf_config(self.CONFIG)
+
+    def get_hf_processor(self, **kwargs: object) -> Any:
+        return self.ctx.get_hf_processor(self.PROCESSOR, **kwargs)
 
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
         return {"image": None}
@@ -266,8 +317,27 @@ class Qwen2VLProcessingInfo(BaseProcessingInfo):
         return self.get_hf_config().vision_config.spatial_merge_size
 
     def max_patches(self) -> int:
-        """Patches the compiled vision tower takes per image (its ``max_seq_len``)."""
+        """Patches the compiled vision tower takes per call (its largest ``max_seq_len``)."""
         return _compiled_max_patches(self.ctx.model_config.model)
+
+    def tower_length(self, h: int, w: int) -> int:
+        """Patches the vision tower runs for one temporal patch of an ``h x w`` patch grid
+        (it runs one call per temporal patch)."""
+        return h * w
+
+    def describe(self, h: int, w: int) -> str:
+        """How a refused image's size is named (its patches, and what the tower runs)."""
+        return f"{h * w} patches ({h} x {w} after resizing)"
+
+    def check_fits(self, what: str, t: int, h: int, w: int) -> None:
+        """Refuse an item the compiled vision tower cannot take (optimum's tower would raise
+        inside the engine), naming both sizes."""
+        most = self.max_patches()
+        if self.tower_length(h, w) > most:
+            raise ValueError(
+                f"{what} is {self.describe(h, w)}, more than the {most} patches per image "
+                "the compiled vision tower takes; send a smaller image or lower max_pixels"
+            )
 
     def largest_image(self) -> tuple[int, int, int]:
         """``(width, height, tokens)`` of the image with the most tokens served: as many as
@@ -278,8 +348,11 @@ class Qwen2VLProcessingInfo(BaseProcessingInfo):
         merge = processor.merge_size
         unit = processor.patch_size * merge
         most = min(processor.size["longest_edge"] // (unit * unit), self.max_patches() // merge**2)
-        rows = next(d for d in range(math.isqrt(most), 0, -1) if most % d == 0)
-        return unit * (most // rows), unit * rows, most
+        for tokens in range(most, 0, -1):  # windowed towers: the squarest grid must fit too
+            rows = next(d for d in range(math.isqrt(tokens), 0, -1) if tokens % d == 0)
+            if self.tower_length(rows * merge, tokens // rows * merge) <= self.max_patches():
+                return unit * (tokens // rows), unit * rows, tokens
+        raise ValueError(f"the compiled vision tower takes no image ({self.max_patches()} patches)")
 
     def get_mm_max_tokens_per_item(
         self, seq_len: int, mm_counts: Mapping[str, int]
@@ -334,15 +407,8 @@ class Qwen2VLMultiModalProcessor(BaseMultiModalProcessor[Qwen2VLProcessingInfo])
 
         def replacement(i: int) -> list[int]:
             t, h, w = (int(x) for x in out_mm_kwargs["image"][i]["image_grid_thw"].data)
-            patches, most = t * h * w, self.info.max_patches()
-            if patches > most:
-                # optimum's vision tower would raise inside the engine; refuse the request here
-                raise ValueError(
-                    f"image {i} is {patches} patches ({h} x {w} of {t} frame(s) after "
-                    f"resizing), more than the {most} patches per image the compiled vision "
-                    "tower takes; send a smaller image or lower max_pixels"
-                )
-            return [image_token] * (patches // (merge * merge))
+            self.info.check_fits(f"image {i}", t, h, w)
+            return [image_token] * (t * h * w // (merge * merge))
 
         return [PromptReplacement(modality="image", target=[image_token], replacement=replacement)]
 
@@ -358,9 +424,11 @@ class RBLNQwen2VLDeclaration(Declaration, SupportsMultiModal, SupportsMRoPE):
     same positions with the same function (:class:`Embedder`).
     """
 
+    EMBEDDER: type[Embedder] = Embedder  # whose positions these are
+
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__()
-        self.config: Qwen2VLConfig = vllm_config.model_config.hf_config
+        self.config = vllm_config.model_config.hf_config
 
     @classmethod
     def get_placeholder_str(cls, modality: str, i: int) -> str | None:
@@ -371,25 +439,33 @@ class RBLNQwen2VLDeclaration(Declaration, SupportsMultiModal, SupportsMRoPE):
     def get_mrope_input_positions(
         self, input_tokens: list[int], mm_features: list[MultiModalFeatureSpec]
     ) -> tuple[torch.Tensor, int]:
-        merge = self.config.vision_config.spatial_merge_size
-        return mrope_positions(len(input_tokens), image_grids(mm_features), merge)
+        embedder = self.EMBEDDER
+        extra = embedder.rope_extra(mm_features)
+        return rope_index(embedder.ROPE_MODEL, self.config, input_tokens, mm_features, **extra)
 
 
 # ----------------------------------------------------------------------------- tiny model
-def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
-    """Qwen2-VL's recipe at the spec's shape: a ViT over 14-pixel patches (two frames per
-    temporal patch) with 2-D rotary positions, 2 x 2 patches merged into one token by an MLP,
-    a Qwen2 language model with M-RoPE (temporal, height, width sections of the rotary
-    dimensions)."""
-    import transformers
-
+def token_ids(tokenizer: Any) -> dict[str, int]:
+    """The Qwen special tokens' ids, as the configs name them."""
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    return {
+        "image_token_id": ids[IMAGE_PAD],
+        "video_token_id": ids[VIDEO_PAD],
+        "vision_start_token_id": ids[VISION_START],
+        "vision_end_token_id": ids[VISION_END],
+    }
+
+
+def tiny_text(spec: Any, tokenizer: Any) -> dict[str, Any]:
+    """The language model's config of a tiny Qwen2-VL or Qwen2.5-VL: a Qwen2 decoder of the
+    spec's shape with M-RoPE sections of its rotary dimensions (Qwen2-VL's [16, 24, 24] of
+    64, scaled)."""
     language = spec.language
     head_dim = language.hidden_size // language.num_heads
-    pairs = head_dim // 2  # rotary pairs: Qwen2-VL's [16, 24, 24] of 64, scaled
+    pairs = head_dim // 2
     temporal = pairs // 4
     section = [temporal, (pairs - temporal) // 2, pairs - temporal - (pairs - temporal) // 2]
-    text = dict(
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=language.hidden_size,
         intermediate_size=language.intermediate_size,
@@ -403,6 +479,29 @@ def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+
+
+def tiny_image_processor(spec: Any, min_pixels: int = MIN_PIXELS) -> Any:
+    """transformers' PIL Qwen2-VL image processor with the spec's patch and pixel budget."""
+    import transformers
+
+    return transformers.Qwen2VLImageProcessorPil(
+        min_pixels=min_pixels,
+        max_pixels=spec.max_pixels,
+        patch_size=spec.patch_size,
+        merge_size=2,
+        temporal_patch_size=2,
+    )
+
+
+def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """Qwen2-VL's recipe at the spec's shape: a ViT over 14-pixel patches (two frames per
+    temporal patch) with 2-D rotary positions, 2 x 2 patches merged into one token by an MLP,
+    a Qwen2 language model with M-RoPE (temporal, height, width sections of the rotary
+    dimensions)."""
+    import transformers
+
+    language = spec.language
     vision = dict(
         depth=spec.vision_layers,
         embed_dim=spec.vision_hidden_size,
@@ -418,22 +517,14 @@ def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
         initializer_range=language.initializer_range,
     )
     config = transformers.Qwen2VLConfig(
-        text_config=text,
+        text_config=tiny_text(spec, tokenizer),
         vision_config=vision,
-        image_token_id=ids[IMAGE_PAD],
-        video_token_id=ids[VIDEO_PAD],
-        vision_start_token_id=ids[VISION_START],
-        vision_end_token_id=ids[VISION_END],
         tie_word_embeddings=False,
-    )
-    image_processor = transformers.Qwen2VLImageProcessorPil(
-        min_pixels=MIN_PIXELS,
-        max_pixels=spec.max_pixels,
-        patch_size=spec.patch_size,
-        merge_size=2,
-        temporal_patch_size=2,
+        **token_ids(tokenizer),
     )
     processor = Qwen2VLImageProcessorOnly(
-        image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
+        image_processor=tiny_image_processor(spec),
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
     )
     return transformers.Qwen2VLForConditionalGeneration(config), processor

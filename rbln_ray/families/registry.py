@@ -455,6 +455,20 @@ _FAMILIES: tuple[Family, ...] = (
         language_submodule="",
         vision_submodule="visual",
     ),
+    # Qwen/Qwen2.5-VL-*: Qwen2-VL with a SwiGLU tower whose layers but a few attend within
+    # windows; the tower is compiled for a list of lengths (a skinny image pads its windows).
+    VisionFamily(
+        "qwen2_5_vl",
+        "Qwen2_5_VLForConditionalGeneration",
+        "RBLNQwen2_5_VLForConditionalGeneration",
+        {"": VISION_TEST},
+        module="qwen2_5_vl",
+        declaration="RBLNQwen2_5_VLDeclaration",
+        vision_tower="RBLNQwen2_5_VisionTransformerPretrainedModel",
+        language_family="qwen2",
+        language_submodule="",
+        vision_submodule="visual",
+    ),
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILIES}

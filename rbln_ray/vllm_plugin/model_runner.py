@@ -470,15 +470,17 @@ class RBLNModelRunner:
         if self.embedder is not None and self.embedder.has_images(state.mm_features):
             embeds = self.embedder.embeds(req_id, tokens, state.mm_features, start)
             inputs["inputs_embeds"] = embeds[start:end].unsqueeze(0)
-            if end == len(tokens):  # the last chunk: later steps decode token ids
-                self.embedder.forget(req_id)
         elif receive is None:
             inputs["input_ids"] = torch.tensor([tokens[start:end]], dtype=torch.long)
         positions = torch.arange(start, end, dtype=torch.int32).unsqueeze(0)
         table = torch.tensor(self._table_row(plan.tables[req_id]), dtype=torch.int16)
         inputs.update(self._block_inputs(table, [plan.slots.get(req_id)], prefill=True))
-        if self.embedder is not None:  # e.g. Qwen2-VL's M-RoPE position embeddings
+        if self.embedder is not None:
+            # e.g. Qwen2-VL's M-RoPE position embeddings, Qwen3-VL's deepstack features (kept
+            # with the prompt's embeddings until its last chunk: later steps decode token ids)
             inputs.update(self.embedder.prefill_inputs(state, start, end))
+            if end == len(tokens):
+                self.embedder.forget(req_id)
         if self.before_device is not None:
             self.before_device()
         if receive is not None:  # the previous stage's hidden states, the last input to come
