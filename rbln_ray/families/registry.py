@@ -469,6 +469,21 @@ _FAMILIES: tuple[Family, ...] = (
         language_submodule="",
         vision_submodule="visual",
     ),
+    # Qwen/Qwen3-VL-*: a ViT over 16-pixel patches whose inner layers' features ("deepstack")
+    # are added to the first decoder layers' hidden states at the image's positions; a Qwen3
+    # LM with interleaved M-RoPE.
+    VisionFamily(
+        "qwen3_vl",
+        "Qwen3VLForConditionalGeneration",
+        "RBLNQwen3VLForConditionalGeneration",
+        {"": VISION_TEST},
+        module="qwen3_vl",
+        declaration="RBLNQwen3VLDeclaration",
+        vision_tower="RBLNQwen3VLVisionModel",
+        language_family="qwen3",
+        language_submodule="",
+        vision_submodule="visual",
+    ),
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILIES}
