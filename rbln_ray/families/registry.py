@@ -484,6 +484,19 @@ _FAMILIES: tuple[Family, ...] = (
         language_submodule="",
         vision_submodule="visual",
     ),
+    # Qwen/Qwen3-VL-*-A*B: Qwen3-VL with a mixture-of-experts LM (custom_moe_glu)
+    VisionFamily(
+        "qwen3_vl_moe",
+        "Qwen3VLMoeForConditionalGeneration",
+        "RBLNQwen3VLMoeForConditionalGeneration",
+        {"": VISION_TEST},
+        module="qwen3_vl_moe",
+        declaration="RBLNQwen3VLMoeDeclaration",
+        vision_tower="RBLNQwen3VLMoeVisionModel",
+        language_family="qwen3_moe",
+        language_submodule="",
+        vision_submodule="visual",
+    ),
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILIES}
