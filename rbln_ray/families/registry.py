@@ -138,7 +138,10 @@ class VisionFamily(Family):
 
     kind: ClassVar[str] = "vision"
     vision_tower: str = ""  # the optimum-rbln class that encodes an image
-    language_family: str = ""  # the decoder family of its language model
+    # The decoder family of its language model; or, when rbln-ray serves no text-only family
+    # of it (optimum-rbln 0.12 compiles EXAONE-4 only inside EXAONE-4.5), its transformers
+    # model_type (the family's module builds that config; see tiny_language_family).
+    language_family: str = ""
     # The submodule (and nested rbln_config key) holding the decoder; "" when the artifact's
     # top level is the decoder (Qwen2-VL).
     language_submodule: str = "language_model"
@@ -152,6 +155,13 @@ class VisionFamily(Family):
     # The class of the family's module vLLM's registry gets for the architecture when vLLM's
     # own module cannot be imported here ("": vLLM's own serves the front end).
     declaration: str = ""
+
+    @property
+    def tiny_language_family(self) -> str:
+        """The decoder family whose tiny shape (``TinyModelSpec``: sizes, layers, heads) the
+        tiny model's language model takes: its language family when that is a decoder
+        family, else llama's (the family's module builds the config from the sizes)."""
+        return self.language_family if self.language_family in DECODERS else "llama"
 
 
 def _zoo(name: str, arch: str, optimum: str, model_type: str, **kw: Any) -> DecoderFamily:
@@ -496,6 +506,24 @@ _FAMILIES: tuple[Family, ...] = (
         language_family="qwen3_moe",
         language_submodule="",
         vision_submodule="visual",
+    ),
+    # LGAI-EXAONE/EXAONE-4.5-*: Qwen2.5-VL's windowed tower before an EXAONE-4 LM whose
+    # layers alternate sliding-window and full attention (compiled cache_impl "hybrid"), with
+    # plain 1-D positions. rbln-ray serves no text-only EXAONE-4 (optimum-rbln 0.12 has none).
+    VisionFamily(
+        "exaone4_5",
+        "Exaone4_5_ForConditionalGeneration",
+        "RBLNExaone4_5_ForConditionalGeneration",
+        {"": VISION_TEST},
+        module="exaone4_5",
+        declaration="RBLNExaone4_5Declaration",
+        vision_tower="RBLNExaone4_5_VisionModel",
+        language_family="exaone4",
+        language_submodule="",
+        vision_submodule="visual",
+        prefix_caching=False,
+        notes="sliding-window layers: a request's cache slot holds only its last window, so "
+        "no cached prefix can be adopted",
     ),
 )
 
