@@ -543,6 +543,21 @@ UNSUPPORTED: dict[str, str] = {
     "outside this zoo's scope",
     "Qwen3_5ForCausalLM": "RBLNQwen3_5ForCausalLM needs hybrid linear attention "
     "(rbln.tri_recur_update), which the emulator does not provide",
+    # vision-language
+    "Qwen3_5ForConditionalGeneration": "RBLNQwen3_5ForConditionalGeneration's gated-delta-net "
+    "layers need what the emulator does not provide: the rbln.tri_recur_update op, "
+    "rebel.Runtime._index_to_input_name (its runtime orders inputs by the graph's used ones) "
+    "and static state buffers (conv_state_*, recurrent_state_*) at their declared input "
+    "positions; serving it also needs whole-prompt prefill (optimum raises on a prefill "
+    "starting past 0) and decode rows pinned to state slots at the full compiled batch",
+    "Qwen3_5MoeForConditionalGeneration": "optimum-rbln 0.12 has no RBLNQwen3_5Moe class",
+    "Qwen3_5MoeForCausalLM": "optimum-rbln 0.12 has no RBLNQwen3_5Moe class",
+    "Gemma4ForConditionalGeneration": "transformers 5.15.1's Gemma4Processor cannot be imported "
+    "without torchvision (processing_gemma4 imports image_processing_gemma4, which imports "
+    "torchvision.transforms.v2), nor can vLLM 0.30's gemma4_mm; optimum-rbln's Gemma4 prefill "
+    "pads the KV cache around image runs (image_prefill graphs, padded_cache_lengths), which "
+    "rbln-ray's scheduler and runner do not model; and its decode after an image prompt is "
+    "not token-exact on the emulator (verified with a tiny model)",
 }
 
 

@@ -87,7 +87,16 @@ def test_get_rbln_model_info_and_lookup_errors(tmp_path: Path) -> None:
     assert all(f.architecture in message for f in VISION.values())
 
 
-@pytest.mark.parametrize("arch", ["Phi3ForCausalLM", "MidmLMHeadModel", None])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "Phi3ForCausalLM",
+        "MidmLMHeadModel",
+        "Gemma4ForConditionalGeneration",
+        "Qwen3_5ForConditionalGeneration",
+        None,
+    ],
+)
 def test_compile_of_unsupported_architecture_is_a_clear_error(
     tmp_path: Path, capsys: pytest.CaptureFixture, arch: str | None
 ) -> None:
@@ -98,6 +107,8 @@ def test_compile_of_unsupported_architecture_is_a_clear_error(
     err = capsys.readouterr().err
     assert f"architecture [{arch!r}]" in err if arch else "architecture unknown" in err
     assert "supported: LlamaForCausalLM" in err and "GptOssForCausalLM" in err
+    if arch in UNSUPPORTED:  # refused by name, with the reason
+        assert UNSUPPORTED[arch] in err
     assert "Traceback" not in err
     assert not (tmp_path / "out").exists()
 
