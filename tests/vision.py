@@ -28,6 +28,20 @@ def image_spec(seed: int, width: int = 64, height: int = 48) -> dict[str, int]:
     return {"seed": seed, "width": width, "height": height}
 
 
+def make_video(seed: int, frames: int = 4, width: int = 64, height: int = 48):
+    """A deterministic ``[frames, height, width, 3]`` uint8 noise video (numpy frames, as
+    ``vllm.LLM``'s ``multi_modal_data={"video": ...}`` takes them)."""
+    import numpy as np
+
+    rng = np.random.default_rng(1000 + seed)
+    return rng.integers(0, 256, (frames, height, width, 3), dtype=np.uint8)
+
+
+def video_spec(seed: int, frames: int = 4, width: int = 64, height: int = 48) -> dict[str, int]:
+    """How a request names a video across a process boundary (``rbln_llm_run.py``)."""
+    return {"seed": seed, "frames": frames, "width": width, "height": height}
+
+
 def data_url(image, fmt: str = "PNG") -> str:
     buf = io.BytesIO()
     image.save(buf, format=fmt)
@@ -68,14 +82,17 @@ def _reference(model_dir: Path):
 
 
 def hf_vlm_greedy(
-    model_dir: Path, prompt: str, images: list, max_new_tokens: int
+    model_dir: Path, prompt: str, images: list, max_new_tokens: int, videos: list | None = None
 ) -> tuple[list[int], list[int]]:
     """transformers' (prompt token ids, greedy new token ids) for a text prompt with its
-    images, prepared by the model's own HF processor."""
+    images (and videos), prepared by the model's own HF processor (the Qwen families':
+    ``mm_token_type_ids`` included, without which ``generate`` falls back to 1-D positions)."""
     import torch
 
     model, processor = _reference(model_dir)
-    inputs = processor(images=images or None, text=[prompt], return_tensors="pt")
+    inputs = processor(
+        images=images or None, videos=videos or None, text=[prompt], return_tensors="pt"
+    )
     with torch.no_grad():
         out = model.generate(
             **inputs,

@@ -33,7 +33,7 @@ from vllm.model_executor.models.interfaces import SupportsMultiModal
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from rbln_ray.families import qwen2_5_vl, qwen2_vl
-from rbln_ray.families.qwen2_vl import IMAGE_PAD, VIDEO_PAD, ImageOnly
+from rbln_ray.families.qwen2_vl import IMAGE_PAD, VIDEO_PAD, WithoutTorchvision
 from rbln_ray.families.tiny import DEFAULT_WINDOW
 from rbln_ray.families.vision_base import Declaration, PromptEmbedder, not_on_rbln
 
@@ -44,12 +44,15 @@ SPEC_DEFAULTS = qwen2_5_vl.SPEC_DEFAULTS
 vision_rbln_config = qwen2_5_vl.vision_rbln_config
 
 
-class Exaone4_5ImageProcessorOnly(ImageOnly, Exaone4_5_Processor):
-    """``Exaone4_5_Processor`` over images and text only (no video processor)."""
+class Exaone4_5PilProcessor(WithoutTorchvision, Exaone4_5_Processor):
+    """``Exaone4_5_Processor`` over images and text only (no video processor: EXAONE-4.5's
+    videos are not verified here)."""
+
+    VIDEOS = ""
 
 
-def load_processor(model_dir: str | Path, **kwargs: Any) -> Exaone4_5ImageProcessorOnly:
-    return Exaone4_5ImageProcessorOnly.from_pretrained(str(model_dir), **kwargs)
+def load_processor(model_dir: str | Path, **kwargs: Any) -> Exaone4_5PilProcessor:
+    return Exaone4_5PilProcessor.from_pretrained(str(model_dir), **kwargs)
 
 
 def after_compile(hf_dir: str | Path, out: Path) -> None:
@@ -76,7 +79,7 @@ class Exaone4_5ProcessingInfo(qwen2_5_vl.Qwen2_5_VLProcessingInfo):
     """Qwen2.5-VL's images and tower lengths, EXAONE-4.5's config and processor."""
 
     CONFIG = Exaone4_5_Config
-    PROCESSOR = Exaone4_5ImageProcessorOnly
+    PROCESSOR = Exaone4_5PilProcessor
 
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
         return {"image": None}
@@ -150,7 +153,7 @@ def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
         video_token_id=ids[VIDEO_PAD],
         tie_word_embeddings=False,
     )
-    processor = Exaone4_5ImageProcessorOnly(
+    processor = Exaone4_5PilProcessor(
         image_processor=qwen2_vl.tiny_image_processor(spec),
         tokenizer=tokenizer,
         chat_template=tokenizer.chat_template,

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLProcessor
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 from vllm.multimodal import MULTIMODAL_REGISTRY
@@ -37,16 +39,17 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 from rbln_ray.common.artifact_files import HF_CONFIG, RBLN_CONFIG
 from rbln_ray.families import qwen2_vl
 from rbln_ray.families.qwen2_vl import (
-    ImageOnly,
     Qwen2VLDummyInputs,
     Qwen2VLMultiModalProcessor,
     Qwen2VLProcessingInfo,
     RBLNQwen2VLDeclaration,
+    WithoutTorchvision,
 )
 from rbln_ray.families.vision_base import image_processor_settings
 
 # Qwen2-VL's tokens and placeholder, and its tiny model's pixel budget
 PLACEHOLDER, SPECIAL_TOKENS = qwen2_vl.PLACEHOLDER, qwen2_vl.SPECIAL_TOKENS
+VIDEO_PLACEHOLDER = qwen2_vl.VIDEO_PLACEHOLDER
 SPEC_DEFAULTS = qwen2_vl.SPEC_DEFAULTS
 # The tiny model's windows: 56 pixels, 4 x 4 patches (2 x 2 merged tokens); its last layer
 # attends over the whole image.
@@ -55,12 +58,12 @@ TINY_WINDOW = 56
 MAX_ASPECT = 200
 
 
-class Qwen2_5_VLImageProcessorOnly(ImageOnly, Qwen2_5_VLProcessor):
-    """``Qwen2_5_VLProcessor`` over images and text only (no video processor)."""
+class Qwen2_5_VLPilProcessor(WithoutTorchvision, Qwen2_5_VLProcessor):
+    """``Qwen2_5_VLProcessor`` without torchvision: PIL images, numpy videos."""
 
 
-def load_processor(model_dir: str | Path, **kwargs: Any) -> Qwen2_5_VLImageProcessorOnly:
-    return Qwen2_5_VLImageProcessorOnly.from_pretrained(str(model_dir), **kwargs)
+def load_processor(model_dir: str | Path, **kwargs: Any) -> Qwen2_5_VLPilProcessor:
+    return Qwen2_5_VLPilProcessor.from_pretrained(str(model_dir), **kwargs)
 
 
 def after_compile(hf_dir: str | Path, out: Path) -> None:
@@ -120,9 +123,19 @@ def max_tower_length(model_dir: str) -> int:
 
 # ----------------------------------------------------------------------------- runner
 class Embedder(qwen2_vl.Embedder):
-    """Qwen2-VL's embedder; positions by ``Qwen2_5_VLModel.get_rope_index``."""
+    """Qwen2-VL's embedder; positions by ``Qwen2_5_VLModel.get_rope_index``, whose videos'
+    temporal positions step by their seconds per temporal patch."""
 
     ROPE_MODEL = Qwen2_5_VLModel
+
+    @classmethod
+    def rope_extra(cls, features: Sequence[Any]) -> dict[str, Any]:
+        seconds = [
+            float(f.data["second_per_grid_ts"].data)
+            for f in qwen2_vl.media(features)
+            if f.modality == "video"
+        ]
+        return {"second_per_grid_ts": torch.tensor(seconds)} if seconds else {}
 
 
 # ----------------------------------------------------------------------------- vLLM
@@ -130,7 +143,7 @@ class Qwen2_5_VLProcessingInfo(Qwen2VLProcessingInfo):
     """Qwen2-VL's, with window-padded tower lengths."""
 
     CONFIG = Qwen2_5_VLConfig
-    PROCESSOR = Qwen2_5_VLImageProcessorOnly
+    PROCESSOR = Qwen2_5_VLPilProcessor
 
     def max_patches(self) -> int:
         return max_tower_length(self.ctx.model_config.model)
@@ -184,7 +197,7 @@ def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
         tie_word_embeddings=False,
         **qwen2_vl.token_ids(tokenizer),
     )
-    processor = Qwen2_5_VLImageProcessorOnly(
+    processor = Qwen2_5_VLPilProcessor(
         image_processor=qwen2_vl.tiny_image_processor(spec),
         tokenizer=tokenizer,
         chat_template=tokenizer.chat_template,

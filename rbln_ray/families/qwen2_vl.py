@@ -6,7 +6,7 @@ What differs from LLaVA (:mod:`.llava`), everywhere a request goes:
 * **Processor.** transformers 5.15's ``Qwen2VLProcessor`` takes an image processor, a
   tokenizer *and* a video processor, and refuses to be built or loaded without the last;
   every video processor of transformers 5.15 needs torchvision, which the project venv cannot
-  have. :class:`Qwen2VLImageProcessorOnly` declares just the image processor
+  have. :class:`Qwen2VLPilProcessor` declares just the image processor
   (``Qwen2VLImageProcessorPil``: PIL and numpy) and the tokenizer; every step of processing a
   prompt is transformers' own, and it saves itself as ``Qwen2VLProcessor``.
 * **Tokens per image.** The processor resizes an image to multiples of 28 pixels within its
@@ -34,17 +34,26 @@ embedder and vLLM's classes here with their own transformers classes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from types import MethodType, SimpleNamespace
-from typing import Any
+from typing import Any, TypedDict
 
+import numpy as np
 import torch
 from transformers import BatchFeature, ProcessorMixin, Qwen2VLConfig, Qwen2VLProcessor
+from transformers.image_transforms import resize as np_resize
+from transformers.image_utils import ChannelDimension
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
+    smart_resize as smart_resize_video,
+)
+from transformers.video_utils import VideoMetadata, make_batched_videos
 from vllm.config.multimodal import BaseDummyOptions
 from vllm.inputs import MultiModalDataDict
 from vllm.model_executor.models.interfaces import SupportsMRoPE, SupportsMultiModal
@@ -54,13 +63,14 @@ from vllm.multimodal.inputs import (
     MultiModalFieldConfig,
     MultiModalKwargsItems,
 )
-from vllm.multimodal.parse import ImageProcessorItems, MultiModalDataItems
+from vllm.multimodal.parse import ImageProcessorItems, MultiModalDataItems, VideoProcessorItems
 from vllm.multimodal.processing import (
     BaseDummyInputsBuilder,
     BaseMultiModalProcessor,
     BaseProcessingInfo,
     PromptReplacement,
     PromptUpdate,
+    PromptUpdateDetails,
 )
 
 from rbln_ray.common.artifact_files import RBLN_CONFIG
@@ -72,6 +82,7 @@ from rbln_ray.upstream import optimum_internals
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END
+VIDEO_PLACEHOLDER = VISION_START + VIDEO_PAD + VISION_END
 SPECIAL_TOKENS = [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
 # The tiny model's pixel budget: at most 256 patches (64 image tokens) per image.
 TINY_MAX_PIXELS = 28 * 28 * 64
@@ -80,17 +91,142 @@ SPEC_DEFAULTS = {"max_pixels": TINY_MAX_PIXELS}
 
 
 # ----------------------------------------------------------------------------- processor
-class ImageOnly:
-    """What makes a Qwen-style processor work without its video processor: the attributes
-    transformers' ``__init__`` sets from the tokenizer (``TOKENS``: attribute -> default
-    token; each also gets its ``_id``), then ``ProcessorMixin.__init__`` with the image
+class NumpyVideoProcessor:
+    """transformers' Qwen video processors (``Qwen2VLVideoProcessor``, ``Qwen3VLVideoProcessor``)
+    without torchvision, which every transformers 5.15 video processor needs.
+
+    Same steps, on numpy and PIL with the model's own image processor: every frame resized to
+    the video's size (multiples of ``patch_size x merge_size`` within the pixel budget;
+    ``budget="frame"``: each frame's, as Qwen2-VL and Qwen2.5-VL; ``"video"``: over all
+    frames, as Qwen3-VL, by transformers' own ``smart_resize`` of each), rescaled and
+    normalized as the image processor does (two identical frames give the image's rows),
+    padded to whole temporal patches by repeating the last frame and cut into patches in
+    transformers' layout. The budget is the image processor's (so every temporal patch fits
+    the compiled vision tower, which runs one call per temporal patch), unless a request
+    sets ``min_pixels`` / ``max_pixels``. Frames are used as given (no sampling: the caller
+    chose them); their rate is ``fps`` (2 per second, the rate transformers' Qwen processors
+    sample at, unless a request sets it), which sets the temporal positions (Qwen2.5-VL's
+    ``second_per_grid_ts``) and Qwen3-VL's timestamps. Returns transformers' fields and
+    ``video_metadata``, which the processors' own ``_process_videos`` / ``replace_video_token``
+    read.
+    """
+
+    class valid_kwargs(TypedDict, total=False):  # noqa: N801 - transformers' attribute name
+        """Request settings the processor's kwargs merge passes on (beyond ``VideosKwargs``)."""
+
+        min_pixels: int
+        max_pixels: int
+
+    def __init__(self, image_processor: Any, budget: str = "frame", fps: float = 2.0) -> None:
+        if budget not in ("frame", "video"):
+            raise ValueError(f"budget must be 'frame' or 'video', not {budget!r}")
+        self.image_processor = image_processor
+        self.budget = budget
+        self.fps = fps
+        self.patch_size = image_processor.patch_size
+        self.merge_size = image_processor.merge_size
+        self.temporal_patch_size = image_processor.temporal_patch_size
+        self.size = dict(image_processor.size)
+
+    def metadata(self, num_frames: int, fps: float | None = None) -> VideoMetadata:
+        """What transformers knows of a video of ``num_frames`` frames given at ``fps``."""
+        return VideoMetadata(
+            total_num_frames=num_frames,
+            fps=float(fps or self.fps),
+            frames_indices=list(range(num_frames)),
+        )
+
+    def resized(self, frames: int, height: int, width: int, least: int, most: int) -> tuple:
+        """``(height, width)`` every frame of a video is resized to."""
+        factor = self.patch_size * self.merge_size
+        if self.budget == "video":
+            if frames < self.temporal_patch_size:
+                raise ValueError(
+                    f"a video needs at least {self.temporal_patch_size} frames, not {frames}"
+                )
+            return smart_resize_video(
+                frames, height, width, self.temporal_patch_size, factor, least, most
+            )
+        return smart_resize(height, width, factor=factor, min_pixels=least, max_pixels=most)
+
+    def __call__(
+        self,
+        videos: Any,
+        video_metadata: Sequence[Any] | None = None,
+        fps: float | None = None,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        size: Mapping[str, int] | None = None,
+        **_: Any,
+    ) -> BatchFeature:
+        size = {**self.size, **(size or {})}
+        least = min_pixels or size["shortest_edge"]
+        most = max_pixels or size["longest_edge"]
+        ip = self.image_processor
+        p, m, tp = self.patch_size, self.merge_size, self.temporal_patch_size
+        rows, grids, metas = [], [], []
+        for i, video in enumerate(make_batched_videos(videos)):
+            frames = np.asarray(video)
+            if frames.ndim != 4:
+                raise ValueError(f"a video is [frames, height, width, 3], not {frames.shape}")
+            if frames.shape[-1] != 3 and frames.shape[1] == 3:  # channels first
+                frames = frames.transpose(0, 2, 3, 1)
+            given = video_metadata[i] if video_metadata else None
+            if isinstance(given, Mapping):
+                given = VideoMetadata(**{k: v for k, v in given.items() if k in VIDEO_METADATA})
+            metas.append(given or self.metadata(len(frames), fps))
+            height, width = self.resized(len(frames), *frames.shape[1:3], least, most)
+            out = []
+            for frame in frames:
+                x = np.ascontiguousarray(frame.transpose(2, 0, 1))  # [C, H, W], as the PIL path
+                x = np_resize(
+                    x,
+                    size=(height, width),
+                    resample=ip.resample,
+                    data_format=ChannelDimension.FIRST,
+                    input_data_format=ChannelDimension.FIRST,
+                )
+                if ip.do_rescale:
+                    x = ip.rescale(x, ip.rescale_factor)
+                if ip.do_normalize:
+                    x = ip.normalize(x, ip.image_mean, ip.image_std)
+                out.append(np.asarray(x, dtype=np.float32))
+            clip = np.stack(out)  # [T, C, H, W]
+            if pad := -len(clip) % tp:
+                clip = np.concatenate([clip, np.repeat(clip[-1:], pad, axis=0)])
+            t, c = len(clip) // tp, clip.shape[1]
+            gh, gw = height // p, width // p
+            patches = clip.reshape(t, tp, c, gh // m, m, p, gw // m, m, p)
+            patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # transformers' patchify
+            rows.append(torch.from_numpy(np.ascontiguousarray(patches).reshape(-1, c * tp * p * p)))
+            grids.append([t, gh, gw])
+        data = {
+            "pixel_values_videos": torch.cat(rows),
+            "video_grid_thw": torch.tensor(grids, dtype=torch.long),
+            "video_metadata": metas,
+        }
+        return BatchFeature(data)
+
+
+# VideoMetadata's fields (a request's metadata may carry others, e.g. vLLM's video_backend)
+VIDEO_METADATA = {f.name for f in dataclasses.fields(VideoMetadata)}
+
+
+class WithoutTorchvision:
+    """What makes a Qwen-style processor work without transformers' video processor: the
+    attributes transformers' ``__init__`` sets from the tokenizer (``TOKENS``: attribute ->
+    default token; each also gets its ``_id``), then ``ProcessorMixin.__init__`` with the image
     processor and the tokenizer only (transformers' own ``__init__`` requires a video
-    processor). transformers 5.15 derives what a processor saves and loads from its
-    ``__init__`` signature, so the subclass saves and loads without one, and it saves
-    itself as the transformers class (``to_dict``) so any transformers install reads it.
-    Mixed in before the transformers class: ``class X(ImageOnly, Qwen2VLProcessor)``."""
+    processor, and every one needs torchvision). transformers 5.15 derives what a processor
+    saves and loads from its ``__init__`` signature, so the subclass saves and loads without
+    one, and it saves itself as the transformers class (``to_dict``) so any transformers
+    install reads it. Videos (``VIDEOS``: the budget of :class:`NumpyVideoProcessor`, "" for
+    none) go through rbln-ray's numpy port, built from the image processor, so nothing more
+    is saved. Mixed in before the transformers class: ``class X(WithoutTorchvision,
+    Qwen2VLProcessor)``."""
 
     TOKENS: dict[str, str] = {"image_token": IMAGE_PAD, "video_token": VIDEO_PAD}
+    VIDEOS = "frame"
 
     def __init__(
         self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kw
@@ -101,6 +237,8 @@ class ImageOnly:
             token_id = getattr(tokenizer, f"{attr}_id", None)
             setattr(self, f"{attr}_id", token_id or tokenizer.convert_tokens_to_ids(token))
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kw)
+        if self.VIDEOS and image_processor is not None:
+            self.video_processor = NumpyVideoProcessor(image_processor, self.VIDEOS)
 
     def to_dict(self) -> dict[str, Any]:
         config = super().to_dict()  # type: ignore[misc]
@@ -109,13 +247,13 @@ class ImageOnly:
         return config
 
 
-class Qwen2VLImageProcessorOnly(ImageOnly, Qwen2VLProcessor):
-    """``Qwen2VLProcessor`` over images and text only (no video processor)."""
+class Qwen2VLPilProcessor(WithoutTorchvision, Qwen2VLProcessor):
+    """``Qwen2VLProcessor`` without torchvision: PIL images, numpy videos."""
 
 
-def load_processor(model_dir: str | Path, **kwargs: Any) -> Qwen2VLImageProcessorOnly:
+def load_processor(model_dir: str | Path, **kwargs: Any) -> Qwen2VLPilProcessor:
     """A Qwen2-VL directory's processor (images and text; see the module docstring)."""
-    return Qwen2VLImageProcessorOnly.from_pretrained(str(model_dir), **kwargs)
+    return Qwen2VLPilProcessor.from_pretrained(str(model_dir), **kwargs)
 
 
 def vision_max_patches(model_dir: str | Path) -> int:
@@ -255,10 +393,17 @@ class Embedder(PromptEmbedder):
     def language_model(self) -> Any:
         return self.model
 
-    def _image_features(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        # the image's flattened patches [t*h*w, C*T*P*P] and grid [3]; one merged token each
-        # 2 x 2 patches
-        return self.model.visual(data["pixel_values"], grid_thw=data["image_grid_thw"].view(1, 3))
+    def _tower(self, pixels: torch.Tensor, grid: torch.Tensor) -> Any:
+        """One image's or video's features: its flattened patches ``[t*h*w, C*T*P*P]`` and
+        grid ``[3]`` through the compiled tower (one call per temporal patch); one merged token
+        each 2 x 2 patches."""
+        return self.model.visual(pixels, grid_thw=grid.view(1, 3))
+
+    def _image_features(self, data: dict[str, torch.Tensor]) -> Any:
+        return self._tower(data["pixel_values"], data["image_grid_thw"])
+
+    def _video_features(self, data: dict[str, torch.Tensor]) -> Any:
+        return self._tower(data["pixel_values_videos"], data["video_grid_thw"])
 
     @classmethod
     def rope_extra(cls, features: Sequence[Any]) -> dict[str, Any]:
@@ -302,7 +447,7 @@ class Qwen2VLProcessingInfo(BaseProcessingInfo):
     patches the tower runs for an image (:meth:`tower_length`)."""
 
     CONFIG: type = Qwen2VLConfig
-    PROCESSOR: type = Qwen2VLImageProcessorOnly
+    PROCESSOR: type = Qwen2VLPilProcessor
 
     def get_hf_config(self) -> Any:
         return self.ctx.get_hf_config(self.CONFIG)
@@ -311,7 +456,7 @@ class Qwen2VLProcessingInfo(BaseProcessingInfo):
         return self.ctx.get_hf_processor(self.PROCESSOR, **kwargs)
 
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-        return {"image": None}
+        return {"image": None, "video": None} if self.PROCESSOR.VIDEOS else {"image": None}
 
     def merge_size(self) -> int:
         return self.get_hf_config().vision_config.spatial_merge_size
@@ -354,10 +499,22 @@ class Qwen2VLProcessingInfo(BaseProcessingInfo):
                 return unit * (tokens // rows), unit * rows, tokens
         raise ValueError(f"the compiled vision tower takes no image ({self.max_patches()} patches)")
 
+    def largest_video(self, seq_len: int) -> tuple[int, int, int, int]:
+        """``(width, height, frames, tokens)`` of the longest video served: frames of the
+        largest image, as many temporal patches of them as fit ``seq_len`` (at least one)."""
+        width, height, tokens = self.largest_image()
+        patches = max(1, seq_len // tokens)
+        frames = patches * self.get_hf_processor().image_processor.temporal_patch_size
+        return width, height, frames, patches * tokens
+
     def get_mm_max_tokens_per_item(
         self, seq_len: int, mm_counts: Mapping[str, int]
     ) -> Mapping[str, int]:
-        return {"image": self.largest_image()[2]}
+        most = {"image": self.largest_image()[2]}
+        if "video" in self.get_supported_mm_limits():
+            # no video of the model's length has more tokens (frames share Qwen3-VL's budget)
+            most["video"] = max(seq_len, self.largest_video(seq_len)[3])
+        return most
 
 
 @cache
@@ -367,7 +524,10 @@ def _compiled_max_patches(model: str) -> int:
 
 class Qwen2VLDummyInputs(BaseDummyInputsBuilder[Qwen2VLProcessingInfo]):
     def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
-        return self.info.get_hf_processor().image_token * mm_counts.get("image", 0)
+        processor = self.info.get_hf_processor()
+        return processor.image_token * mm_counts.get("image", 0) + (
+            processor.video_token * mm_counts.get("video", 0)
+        )
 
     def get_dummy_mm_data(
         self,
@@ -382,7 +542,17 @@ class Qwen2VLDummyInputs(BaseDummyInputsBuilder[Qwen2VLProcessingInfo]):
             num_images=mm_counts.get("image", 0),
             overrides=mm_options.get("image"),
         )
-        return {"image": images}
+        if not mm_counts.get("video"):
+            return {"image": images}
+        width, height, frames, _ = self.info.largest_video(seq_len)
+        videos = self._get_dummy_videos(
+            width=width,
+            height=height,
+            num_frames=frames,
+            num_videos=mm_counts["video"],
+            overrides=mm_options.get("video"),
+        )
+        return {"image": images, "video": videos}
 
 
 class Qwen2VLMultiModalProcessor(BaseMultiModalProcessor[Qwen2VLProcessingInfo]):
@@ -390,10 +560,16 @@ class Qwen2VLMultiModalProcessor(BaseMultiModalProcessor[Qwen2VLProcessingInfo])
         self, hf_inputs: BatchFeature, hf_processor_mm_kwargs: Mapping[str, object]
     ) -> Mapping[str, MultiModalFieldConfig]:
         grids = hf_inputs.get("image_grid_thw", torch.empty((0, 3)))
-        return {
+        videos = hf_inputs.get("video_grid_thw", torch.empty((0, 3)))
+        fields = {
             "pixel_values": MultiModalFieldConfig.flat_from_sizes("image", grids.prod(-1)),
             "image_grid_thw": MultiModalFieldConfig.batched("image", keep_on_cpu=True),
+            "pixel_values_videos": MultiModalFieldConfig.flat_from_sizes("video", videos.prod(-1)),
+            "video_grid_thw": MultiModalFieldConfig.batched("video", keep_on_cpu=True),
         }
+        if "second_per_grid_ts" in hf_inputs:  # Qwen2.5-VL: seconds per temporal patch
+            fields["second_per_grid_ts"] = MultiModalFieldConfig.batched("video", keep_on_cpu=True)
+        return fields
 
     def _get_prompt_updates(
         self,
@@ -403,14 +579,45 @@ class Qwen2VLMultiModalProcessor(BaseMultiModalProcessor[Qwen2VLProcessingInfo])
     ) -> Sequence[PromptUpdate]:
         image_token = self.info.get_hf_config().image_token_id
         merge = self.info.merge_size()
-        mm_items.get_items("image", ImageProcessorItems)  # pixels only, no precomputed embeds
+        if "image" in mm_items:  # pixels only, no precomputed embeddings
+            mm_items.get_items("image", ImageProcessorItems)
 
         def replacement(i: int) -> list[int]:
             t, h, w = (int(x) for x in out_mm_kwargs["image"][i]["image_grid_thw"].data)
             self.info.check_fits(f"image {i}", t, h, w)
             return [image_token] * (t * h * w // (merge * merge))
 
-        return [PromptReplacement(modality="image", target=[image_token], replacement=replacement)]
+        updates = [
+            PromptReplacement(modality="image", target=[image_token], replacement=replacement)
+        ]
+        if "video" not in self.info.get_supported_mm_limits():
+            return updates
+        video_token = self.info.get_hf_config().video_token_id
+        processor = self.info.get_hf_processor(**hf_processor_mm_kwargs)
+        tokenizer = self.info.get_tokenizer()
+        videos = mm_items.get_items("video", VideoProcessorItems) if "video" in mm_items else None
+        fps = hf_processor_mm_kwargs.get("fps")
+
+        def video_replacement(i: int) -> PromptUpdateDetails:
+            grid = out_mm_kwargs["video"][i]["video_grid_thw"].data
+            t, h, w = (int(x) for x in grid)
+            self.info.check_fits(f"video {i}", t, h, w)
+            frames = videos.get(i) if videos is not None else None
+            video_processor = processor.video_processor
+            count = len(frames) if frames is not None else t * video_processor.temporal_patch_size
+            metadata = video_processor.metadata(count, fps)
+            # transformers' own placeholder text (Qwen3-VL: a timestamp and the frame's
+            # tokens per temporal patch), whose video tokens take the video's features
+            text = processor.replace_video_token(
+                {"video_grid_thw": grid.view(1, 3), "video_metadata": [metadata]}, 0
+            )
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            return PromptUpdateDetails.select_token_id(ids, video_token)
+
+        updates.append(
+            PromptReplacement(modality="video", target=[video_token], replacement=video_replacement)
+        )
+        return updates
 
 
 @MULTIMODAL_REGISTRY.register_processor(
@@ -434,7 +641,9 @@ class RBLNQwen2VLDeclaration(Declaration, SupportsMultiModal, SupportsMRoPE):
     def get_placeholder_str(cls, modality: str, i: int) -> str | None:
         if modality.startswith("image"):
             return PLACEHOLDER
-        raise ValueError("only image inputs are supported")
+        if modality.startswith("video"):
+            return VIDEO_PLACEHOLDER
+        raise ValueError("only image and video inputs are supported")
 
     def get_mrope_input_positions(
         self, input_tokens: list[int], mm_features: list[MultiModalFeatureSpec]
@@ -522,7 +731,7 @@ def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
         tie_word_embeddings=False,
         **token_ids(tokenizer),
     )
-    processor = Qwen2VLImageProcessorOnly(
+    processor = Qwen2VLPilProcessor(
         image_processor=tiny_image_processor(spec),
         tokenizer=tokenizer,
         chat_template=tokenizer.chat_template,

@@ -36,14 +36,15 @@ from rbln_ray.families import qwen2_vl
 from rbln_ray.families.qwen2_vl import (
     VISION_END,
     VISION_START,
-    ImageOnly,
     Qwen2VLDummyInputs,
     Qwen2VLMultiModalProcessor,
     Qwen2VLProcessingInfo,
     RBLNQwen2VLDeclaration,
+    WithoutTorchvision,
 )
 
 PLACEHOLDER, SPECIAL_TOKENS = qwen2_vl.PLACEHOLDER, qwen2_vl.SPECIAL_TOKENS
+VIDEO_PLACEHOLDER = qwen2_vl.VIDEO_PLACEHOLDER
 # Qwen3-VL's patches are 16 pixels, merged 2 x 2 into one token of 32 x 32 pixels; the tiny
 # model's budget is 64 tokens (256 patches) an image, its minimum 2 x 2 tokens.
 PATCH = 16
@@ -54,18 +55,21 @@ SPEC_DEFAULTS = {"max_pixels": TINY_MAX_PIXELS}
 vision_rbln_config = qwen2_vl.vision_rbln_config
 
 
-class Qwen3VLImageProcessorOnly(ImageOnly, Qwen3VLProcessor):
-    """``Qwen3VLProcessor`` over images and text only (no video processor)."""
+class Qwen3VLPilProcessor(WithoutTorchvision, Qwen3VLProcessor):
+    """``Qwen3VLProcessor`` without torchvision: PIL images, numpy videos (sized within the
+    budget over all their frames, as transformers' ``Qwen3VLVideoProcessor``)."""
+
+    VIDEOS = "video"
 
     TOKENS = {
-        **ImageOnly.TOKENS,
+        **WithoutTorchvision.TOKENS,
         "vision_start_token": VISION_START,
         "vision_end_token": VISION_END,
     }
 
 
-def load_processor(model_dir: str | Path, **kwargs: Any) -> Qwen3VLImageProcessorOnly:
-    return Qwen3VLImageProcessorOnly.from_pretrained(str(model_dir), **kwargs)
+def load_processor(model_dir: str | Path, **kwargs: Any) -> Qwen3VLPilProcessor:
+    return Qwen3VLPilProcessor.from_pretrained(str(model_dir), **kwargs)
 
 
 def after_compile(hf_dir: str | Path, out: Path) -> None:
@@ -80,10 +84,8 @@ class Embedder(qwen2_vl.Embedder):
 
     ROPE_MODEL = Qwen3VLModel
 
-    def _image_features(self, data: dict[str, torch.Tensor]) -> Any:
-        embeds, deepstack = self.model.visual(
-            data["pixel_values"], grid_thw=data["image_grid_thw"].view(1, 3)
-        )
+    def _tower(self, pixels: torch.Tensor, grid: torch.Tensor) -> Any:
+        embeds, deepstack = self.model.visual(pixels, grid_thw=grid.view(1, 3))
         return (embeds, torch.stack(deepstack)) if deepstack else embeds
 
     def prefill_inputs(self, state: Any, start: int, end: int) -> dict[str, torch.Tensor]:
@@ -99,7 +101,7 @@ class Embedder(qwen2_vl.Embedder):
 # ----------------------------------------------------------------------------- vLLM
 class Qwen3VLProcessingInfo(Qwen2VLProcessingInfo):
     CONFIG = Qwen3VLConfig
-    PROCESSOR = Qwen3VLImageProcessorOnly
+    PROCESSOR = Qwen3VLPilProcessor
 
 
 @MULTIMODAL_REGISTRY.register_processor(
@@ -161,7 +163,7 @@ def tiny_vision(spec: Any) -> dict[str, Any]:
     )
 
 
-def tiny_processor(spec: Any, tokenizer: Any, cls: type = Qwen3VLImageProcessorOnly) -> Any:
+def tiny_processor(spec: Any, tokenizer: Any, cls: type = Qwen3VLPilProcessor) -> Any:
     """The image-only processor over transformers' PIL Qwen2-VL image processor with
     Qwen3-VL's 16-pixel patches (the spec's ``patch_size`` is LLaVA's and Qwen2-VL's)."""
     import transformers

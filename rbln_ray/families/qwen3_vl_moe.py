@@ -19,6 +19,7 @@ from rbln_ray.families import qwen2_vl, qwen3_vl
 from rbln_ray.families.qwen2_vl import Qwen2VLDummyInputs, Qwen2VLMultiModalProcessor
 
 PLACEHOLDER, SPECIAL_TOKENS = qwen3_vl.PLACEHOLDER, qwen3_vl.SPECIAL_TOKENS
+VIDEO_PLACEHOLDER = qwen3_vl.VIDEO_PLACEHOLDER
 SPEC_DEFAULTS = qwen3_vl.SPEC_DEFAULTS
 vision_rbln_config = qwen3_vl.vision_rbln_config
 

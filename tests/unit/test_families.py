@@ -234,6 +234,8 @@ def test_each_vision_family_module_keeps_the_module_contract(name: str) -> None:
     code = fam.code()
     assert code.__name__ == f"rbln_ray.families.{name}"  # one module, named after the family
     assert code.PLACEHOLDER and set(code.SPECIAL_TOKENS) and callable(code.tiny_model)
+    if "video" in fam.inputs:  # what one video is in a prompt
+        assert code.VIDEO_PLACEHOLDER
     assert issubclass(code.Embedder, PromptEmbedder)
     if fam.declaration:
         module, _, cls = declarations()[fam.architecture].partition(":")

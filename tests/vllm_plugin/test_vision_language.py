@@ -9,14 +9,17 @@ resizes, a skinny one of one 40-token row, which a windowed tower runs in its lo
 graph, and the largest straddling the 128-token chunk boundary), two images in one prompt
 where the family takes several, a prompt whose image lies past its first 128-token prefill
 chunk (families that place images before the text: a long text after it), the same image
-twice (vLLM's processor cache sends it to the engine once), and a text-only prompt. Each must
-give the prompt token ids and the greedy tokens transformers' own ``generate`` gives on the HF
-processor's inputs. A second engine per family checks prefix caching where the family has
-it: two long prompts with the same text after different images, run twice; the second pass
-reuses each prompt's own cached first block (vLLM keys a block by the images in it), never
-the other image's; for the Qwen families the tokens after the cached block still take M-RoPE
-positions that depend on the cached image's grid. A new family joins every test here by its
-registry record (what it supports decides which requests and expectations apply).
+twice (vLLM's processor cache sends it to the engine once), and a text-only prompt; for the
+families with videos (numpy frames through ``multi_modal_data={"video": ...}``) a video, an
+image and a video of an odd number of frames in one prompt, and an eight-frame video past a
+long text. Each must give the prompt token ids and the greedy tokens transformers' own
+``generate`` gives on the HF processor's inputs. A second engine per family checks prefix
+caching where the family has it: two long prompts with the same text after different images
+(and, for families with videos, two after different videos), run twice; the second pass
+reuses each prompt's own cached first block (vLLM keys a block by the media in it), never the
+other's; for the Qwen families the tokens after the cached block still take M-RoPE positions
+that depend on the cached item's grid. A new family joins every test here by its registry
+record (what it supports decides which requests and expectations apply).
 """
 
 from __future__ import annotations
@@ -30,7 +33,14 @@ from rbln_ray.families.registry import VISION
 from rbln_ray.models import build_tiny_vlm
 from rbln_ray.models.vision import image_placeholder
 from tests.helpers import SCRIPTS, run_python
-from tests.vision import compiled_vlm, hf_vlm_greedy, image_spec, make_image
+from tests.vision import (
+    compiled_vlm,
+    hf_vlm_greedy,
+    image_spec,
+    make_image,
+    make_video,
+    video_spec,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +58,8 @@ def any_size(family: str) -> bool:
 
 
 def requests_of(family: str) -> list:
-    """(prompt, images) of the first engine of ``family``: ``<image>`` stands for the
-    family's image placeholder."""
+    """(prompt, images, videos) of the first engine of ``family``: ``<image>`` and
+    ``<video>`` stand for the family's placeholders."""
     record = VISION[family]
     img = image_placeholder(family)
     requests = [
@@ -70,14 +80,31 @@ def requests_of(family: str) -> list:
         requests.append((chat("z = 3\n" * 24 + "<image>and now?"), [image_spec(9, 224, 224)]))
         # a skinny one: one row of 40 tokens (windowed towers pad it to their longer graph)
         requests.append((chat("<image>a long thin one"), [image_spec(10, 1120, 28)]))
-    return [(prompt.replace("<image>", img), images) for prompt, images in requests]
+    requests = [(prompt, images, []) for prompt, images in requests]
+    if "video" in record.inputs:  # numpy frames
+        requests += [
+            (chat("<video>describe the video"), [], [video_spec(1)]),
+            # an odd number of frames (the last repeated), after an image
+            (chat("<image> and <video>: the same?"), [image_spec(2)], [video_spec(2, frames=5)]),
+            # eight frames, past a long text
+            (chat("v = 5\n" * 28 + "<video>and this?"), [], [video_spec(3, 8, 96, 96)]),
+        ]
+    vid = getattr(record.code(), "VIDEO_PLACEHOLDER", "")
+    return [
+        (prompt.replace("<image>", img).replace("<video>", vid), images, videos)
+        for prompt, images, videos in requests
+    ]
 
 
 def cached_of(family: str) -> list:
     """Same text, different images at the start: their first 128-token blocks differ by the
     image."""
     text = image_placeholder(family) + "y = 2\n" * 40 + "what now?"
-    return [(chat(text), [image_spec(6)]), (chat(text), [image_spec(8)])]
+    cached = [(chat(text), [image_spec(6)], []), (chat(text), [image_spec(8)], [])]
+    if "video" in VISION[family].inputs:  # and the same after different videos
+        text = VISION[family].code().VIDEO_PLACEHOLDER + "y = 2\n" * 40 + "what now?"
+        cached += [(chat(text), [], [video_spec(6)]), (chat(text), [], [video_spec(8)])]
+    return cached
 
 
 # TEST_VISION_FAMILIES=a,b limits a development run to some families (unset: every family)
@@ -93,9 +120,10 @@ def engine_run(family: str, requests: list, **extra) -> dict:
             {
                 "prompt": prompt,
                 "images": images,
+                "videos": videos,
                 "params": {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True},
             }
-            for prompt, images in requests
+            for prompt, images, videos in requests
         ],
         "rpc": ["step_stats"],
         **extra,
@@ -124,8 +152,14 @@ def runs() -> dict[str, list[dict]]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_with_images_matches_transformers(runs: dict, family: str) -> None:
     run, hf_dir = runs[family][0], build_tiny_vlm(family=family)
-    for i, (prompt, images) in enumerate(REQUESTS[family]):
-        want_prompt, want = hf_vlm_greedy(hf_dir, prompt, [make_image(**s) for s in images], 16)
+    for i, (prompt, images, videos) in enumerate(REQUESTS[family]):
+        want_prompt, want = hf_vlm_greedy(
+            hf_dir,
+            prompt,
+            [make_image(**s) for s in images],
+            MAX_TOKENS,
+            videos=[make_video(**v) for v in videos],
+        )
         assert run["prompt_token_ids"][i] == want_prompt, i
         assert run["outputs"][i][0]["token_ids"] == want, i
 
@@ -137,6 +171,17 @@ def test_images_change_the_output(family: str) -> None:
     prompt = REQUESTS[family][0][0]
     _, first = hf_vlm_greedy(hf_dir, prompt, [make_image(1)], MAX_TOKENS)
     _, other = hf_vlm_greedy(hf_dir, prompt, [make_image(99)], MAX_TOKENS)
+    assert first != other
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if "video" in VISION[f].inputs])
+def test_videos_change_the_output(family: str) -> None:
+    """As for images: the reference is sensitive to the video's frames and to their order."""
+    hf_dir = build_tiny_vlm(family=family)
+    (prompt, _, [spec]) = next(r for r in REQUESTS[family] if r[2] and not r[1])
+    video = make_video(**spec)
+    _, first = hf_vlm_greedy(hf_dir, prompt, [], MAX_TOKENS, videos=[video])
+    _, other = hf_vlm_greedy(hf_dir, prompt, [], MAX_TOKENS, videos=[video[::-1].copy()])
     assert first != other
 
 
@@ -167,12 +212,16 @@ def test_prefix_cache_hits_are_keyed_by_the_image(runs: dict, family: str) -> No
     cached = runs[family][1]
     hf_dir = build_tiny_vlm(family=family)
     wants = []
-    for i, (prompt, images) in enumerate(CACHED[family]):
-        _, want = hf_vlm_greedy(hf_dir, prompt, [make_image(**s) for s in images], MAX_TOKENS)
+    for i, (prompt, images, videos) in enumerate(CACHED[family]):
+        media = [make_image(**s) for s in images]
+        _, want = hf_vlm_greedy(
+            hf_dir, prompt, media, MAX_TOKENS, videos=[make_video(**v) for v in videos]
+        )
         for n, outputs in enumerate(cached["passes"]):
             assert outputs[i][0]["token_ids"] == want, (i, n)
         wants.append(want)
-    assert wants[0] != wants[1]  # the image decides the answer, so a wrong hit would show
+    # the image (video) decides the answer, so a wrong hit would show
+    assert all(wants[i] != wants[i + 1] for i in range(0, len(wants), 2))
     assert len(cached["prompt_token_ids"][0]) > CHUNK
     reused = cached["rpc"]["step_stats"][0]["prefix_reused_tokens"]
     if not VISION[family].prefix_caching:
@@ -180,7 +229,7 @@ def test_prefix_cache_hits_are_keyed_by_the_image(runs: dict, family: str) -> No
         return
     assert cached["config"]["enable_prefix_caching"]
     # the second pass reused one cached 128-token block per prompt; the first reused none
-    assert reused == 2 * CHUNK
+    assert reused == len(CACHED[family]) * CHUNK
 
 
 @pytest.mark.parametrize("family", FAMILIES)
