@@ -48,15 +48,22 @@ def data_url(image, fmt: str = "PNG") -> str:
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+# Families compiled otherwise: Qwen3.5 compiles flash attention only, whose partitions on
+# ATOM are at least 1024 tokens, two per sequence (rbln_ray.families.qwen3_5).
+COMPILE: dict[str, dict] = {
+    "qwen3_5": {"attn_impl": "flash_attn", "kvcache_partition_len": 1024, "max_seq_len": 2048},
+}
+
+
 def compiled_vlm(family: str = "llava") -> Path:
-    """A tiny vision-language model compiled on the emulator (batch 4, 512 tokens; cached)."""
+    """A tiny vision-language model compiled on the emulator (batch 4, 512 tokens unless
+    ``COMPILE`` says otherwise; cached)."""
     os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
     from rbln_ray.compile import CompileSettings, resolve_compiled_dir
     from rbln_ray.models import build_tiny_vlm
 
-    settings = CompileSettings(
-        batch_size=VLM_BATCH, max_seq_len=VLM_MAX_LEN, decoder_batch_sizes=(4, 2, 1)
-    )
+    settings = {"max_seq_len": VLM_MAX_LEN, **COMPILE.get(family, {})}
+    settings = CompileSettings(batch_size=VLM_BATCH, decoder_batch_sizes=(4, 2, 1), **settings)
     return resolve_compiled_dir(build_tiny_vlm(family=family), settings)
 
 

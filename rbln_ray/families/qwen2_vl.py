@@ -432,9 +432,9 @@ class Embedder(PromptEmbedder):
         span = positions_span(prompt, delta, start, end)
         return {"position_embed": self._embeddings(span.unsqueeze(1))}
 
-    def decode_inputs(self, states: Sequence[Any], cache_position: torch.Tensor) -> dict:
-        deltas = [self.positions(s)[1] for s in states]
-        deltas += [0] * (cache_position.shape[0] - len(deltas))  # padding rows: scratch position
+    def decode_inputs(self, states: Sequence[Any | None], cache_position: torch.Tensor) -> dict:
+        # padding rows (None): their scratch position as it is
+        deltas = [self.positions(s)[1] if s is not None else 0 for s in states]
         rows = cache_position.view(-1).long() + torch.tensor(deltas, dtype=torch.long)
         return {"position_embed": self._embeddings(rows.view(1, -1, 1).expand(3, -1, -1))}
 

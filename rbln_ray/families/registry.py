@@ -511,6 +511,26 @@ _FAMILIES: tuple[Family, ...] = (
         language_submodule="",
         vision_submodule="visual",
     ),
+    # Qwen/Qwen3.5-*: Qwen3-VL's tower (no deepstack) before a hybrid LM of gated-delta-net
+    # linear-attention layers (per-sequence state rows, not KV blocks) and a few full ones.
+    VisionFamily(
+        "qwen3_5",
+        "Qwen3_5ForConditionalGeneration",
+        "RBLNQwen3_5ForConditionalGeneration",
+        {"": VISION_TEST},
+        module="qwen3_5",
+        declaration="RBLNQwen3_5Declaration",
+        inputs=("image", "video"),
+        vision_tower="RBLNQwen3_5VisionModel",
+        language_family="qwen3_5_text",
+        language_submodule="",
+        vision_submodule="visual",
+        prefix_caching=False,
+        chunked_prefill=False,
+        notes="linear-attention layers keep one state row per sequence, built from the "
+        "prompt's first token (optimum-rbln's prefill cannot start past 0): prompts are "
+        "prefilled whole, without prefix caching; flash attention only",
+    ),
     # LGAI-EXAONE/EXAONE-4.5-*: Qwen2.5-VL's windowed tower before an EXAONE-4 LM whose
     # layers alternate sliding-window and full attention (compiled cache_impl "hybrid"), with
     # plain 1-D positions. rbln-ray serves no text-only EXAONE-4 (optimum-rbln 0.12 has none).
@@ -545,15 +565,9 @@ UNSUPPORTED: dict[str, str] = {
     "code only (no 'midm' in transformers 5.15.1), so no tiny model can be built here",
     "Gemma4ForCausalLM": "RBLNGemma4ForCausalLM (per-layer inputs, heterogeneous KV caches) is "
     "outside this zoo's scope",
-    "Qwen3_5ForCausalLM": "RBLNQwen3_5ForCausalLM needs hybrid linear attention "
-    "(rbln.tri_recur_update), which the emulator does not provide",
+    "Qwen3_5ForCausalLM": "RBLNQwen3_5ForCausalLM (text-only Qwen3.5) is not verified here; "
+    "rbln-ray serves Qwen3.5 as its vision-language model, Qwen3_5ForConditionalGeneration",
     # vision-language
-    "Qwen3_5ForConditionalGeneration": "RBLNQwen3_5ForConditionalGeneration's gated-delta-net "
-    "layers need what the emulator does not provide: the rbln.tri_recur_update op, "
-    "rebel.Runtime._index_to_input_name (its runtime orders inputs by the graph's used ones) "
-    "and static state buffers (conv_state_*, recurrent_state_*) at their declared input "
-    "positions; serving it also needs whole-prompt prefill (optimum raises on a prefill "
-    "starting past 0) and decode rows pinned to state slots at the full compiled batch",
     "Qwen3_5MoeForConditionalGeneration": "optimum-rbln 0.12 has no RBLNQwen3_5Moe class",
     "Qwen3_5MoeForCausalLM": "optimum-rbln 0.12 has no RBLNQwen3_5Moe class",
     "Gemma4ForConditionalGeneration": "transformers 5.15.1's Gemma4Processor cannot be imported "

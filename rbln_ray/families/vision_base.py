@@ -63,9 +63,10 @@ class PromptEmbedder:
         ``state`` (vLLM's ``CachedRequestState``), images or not."""
         return {}
 
-    def decode_inputs(self, states: Sequence[Any], cache_position: torch.Tensor) -> dict:
-        """Extra inputs of a decode call whose rows are ``states`` then padding rows
-        (``cache_position``: ``[batch, 1]``, every row's)."""
+    def decode_inputs(self, states: Sequence[Any | None], cache_position: torch.Tensor) -> dict:
+        """Extra inputs of a decode call: ``states`` has one entry per device row, the row's
+        request state or None for a padding row (``cache_position``: ``[batch, 1]``, every
+        row's)."""
         return {}
 
     def has_images(self, features: Sequence[Any]) -> bool:

@@ -98,6 +98,7 @@ REQUIREMENTS: tuple[Requirement, ...] = (
             ("qwen2_5_vl.modeling_qwen2_5_vl", "RBLNQwen2_5_VLForConditionalGeneration"),
             ("qwen3_vl.modeling_qwen3_vl", "RBLNQwen3VLForConditionalGeneration"),
             ("qwen3_vl_moe.modeling_qwen3_vl_moe", "RBLNQwen3VLMoeForConditionalGeneration"),
+            ("qwen3_5.modeling_qwen3_5", "RBLNQwen3_5ForConditionalGeneration"),
         )
     ),
 )

@@ -93,7 +93,6 @@ def test_get_rbln_model_info_and_lookup_errors(tmp_path: Path) -> None:
         "Phi3ForCausalLM",
         "MidmLMHeadModel",
         "Gemma4ForConditionalGeneration",
-        "Qwen3_5ForConditionalGeneration",
         None,
     ],
 )
@@ -111,6 +110,23 @@ def test_compile_of_unsupported_architecture_is_a_clear_error(
         assert UNSUPPORTED[arch] in err
     assert "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_qwen3_5_compiles_flash_attention_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Its eager attention is not token-exact past one prefill chunk: refused with the reason
+    before anything is compiled."""
+    os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
+    from rbln_ray.families.qwen3_5 import EAGER_REFUSED
+    from rbln_ray.models import build_tiny_vlm
+
+    out = tmp_path / "out"
+    hf = build_tiny_vlm(family="qwen3_5")
+    assert cli_main(["compile", str(hf), str(out), "--max-seq-len", "2048"]) == 2
+    err = capsys.readouterr().err
+    assert EAGER_REFUSED in err and "Traceback" not in err
+    assert not out.exists()
 
 
 def test_compile_of_a_rejected_config_value_is_a_clear_error(
