@@ -18,12 +18,14 @@ What differs from the Qwen families, and why:
   chat template; transformers' ``Exaone4_5_Processor`` (without its video processor, as for
   the Qwen families) expands the pad token only.
 * **Tower.** Qwen2.5-VL's window attention (with grouped key/value heads): compiled for the
-  same list of window-padded lengths, and an image past them refused the same way.
+  same list of window-padded lengths, and an image past them refused the same way. Videos
+  (``<vision><|video_pad|></vision>``) go through the same tower, one call per temporal patch,
+  their frames prepared by rbln-ray's numpy video processor (:mod:`.qwen2_vl`); with 1-D
+  positions their frame rate changes nothing but the frames.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +41,15 @@ from rbln_ray.families.vision_base import Declaration, PromptEmbedder, not_on_rb
 
 VISION_START, VISION_END = "<vision>", "</vision>"
 PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END
+VIDEO_PLACEHOLDER = VISION_START + VIDEO_PAD + VISION_END
 SPECIAL_TOKENS = [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
 SPEC_DEFAULTS = qwen2_5_vl.SPEC_DEFAULTS
 vision_rbln_config = qwen2_5_vl.vision_rbln_config
 
 
 class Exaone4_5PilProcessor(WithoutTorchvision, Exaone4_5_Processor):
-    """``Exaone4_5_Processor`` over images and text only (no video processor: EXAONE-4.5's
-    videos are not verified here)."""
-
-    VIDEOS = ""
+    """``Exaone4_5_Processor`` without torchvision: PIL images, numpy videos (each frame
+    within the image budget, as Qwen2.5-VL's)."""
 
 
 def load_processor(model_dir: str | Path, **kwargs: Any) -> Exaone4_5PilProcessor:
@@ -73,6 +74,11 @@ class Embedder(PromptEmbedder):
     def _image_features(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.model.visual(data["pixel_values"], grid_thw=data["image_grid_thw"].view(1, 3))
 
+    def _video_features(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        # the same tower, one call per temporal patch
+        grid = data["video_grid_thw"].view(1, 3)
+        return self.model.visual(data["pixel_values_videos"], grid_thw=grid)
+
 
 # ----------------------------------------------------------------------------- vLLM
 class Exaone4_5ProcessingInfo(qwen2_5_vl.Qwen2_5_VLProcessingInfo):
@@ -80,9 +86,6 @@ class Exaone4_5ProcessingInfo(qwen2_5_vl.Qwen2_5_VLProcessingInfo):
 
     CONFIG = Exaone4_5_Config
     PROCESSOR = Exaone4_5PilProcessor
-
-    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-        return {"image": None}
 
 
 @MULTIMODAL_REGISTRY.register_processor(
@@ -98,7 +101,9 @@ class RBLNExaone4_5Declaration(Declaration, SupportsMultiModal):
     def get_placeholder_str(cls, modality: str, i: int) -> str | None:
         if modality.startswith("image"):
             return PLACEHOLDER
-        raise ValueError("only image inputs are supported")
+        if modality.startswith("video"):
+            return VIDEO_PLACEHOLDER
+        raise ValueError("only image and video inputs are supported")
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         not_on_rbln()

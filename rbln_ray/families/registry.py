@@ -541,6 +541,7 @@ _FAMILIES: tuple[Family, ...] = (
         {"": VISION_TEST},
         module="exaone4_5",
         declaration="RBLNExaone4_5Declaration",
+        inputs=("image", "video"),
         vision_tower="RBLNExaone4_5_VisionModel",
         language_family="exaone4",
         language_submodule="",
