@@ -24,27 +24,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.api_compat import ASK, TOOLS  # the checker's tool and question
 from tests.helpers import compiled_model, hf_greedy
 from tests.serve.conftest import RunningApp, free_port, start_app, stop_app
 
 pytestmark = pytest.mark.slow
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-                "required": ["city"],
-                "additionalProperties": False,
-            },
-        },
-    }
-]
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def tool_options() -> dict:
