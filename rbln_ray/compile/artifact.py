@@ -66,6 +66,10 @@ class CompiledArtifact:
     dtype: str = "float32"  # what the compiled graphs compute in (optimum's rbln_config dtype)
     lora: LoRAInfo | None = None  # compiled-in LoRA adapters (rbln_ray.compile.lora)
     quantization: QuantSpec | None = None  # quantized weights / KV (compile.quantization)
+    # Some layers keep a per-sequence state in one row per compiled batch slot (Qwen3.5's
+    # linear attention, optimum's linear_attention_layers): a prefill names the row
+    # (batch_idx) and every decode step runs the full batch, device row i on state row i.
+    state_slots: bool = False
 
     def __post_init__(self) -> None:
         if not self.max_num_seqs:
@@ -146,6 +150,7 @@ class CompiledArtifact:
             dtype=raw.get("dtype") or "float32",
             lora=LoRAInfo.from_rbln_config(raw.get("lora_config")),
             quantization=QuantSpec.from_rbln_config(raw.get("quantization")),
+            state_slots=bool(raw.get("linear_attention_layers")),
         )
 
 

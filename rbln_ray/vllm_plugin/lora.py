@@ -261,10 +261,11 @@ class LoRARows:
             return {}
         return {"lora_int_ids": torch.tensor([self.ids.get(req_id, 0)], dtype=torch.int32)}
 
-    def decode(self, rows: list[str], padding: int) -> dict[str, torch.Tensor]:
+    def decode(self, rows: list[str | None]) -> dict[str, torch.Tensor]:
+        """``rows``: the request of each device row in order, None for padding rows."""
         if self.gate is None:
             return {}
-        ids = [self.ids.get(r, 0) for r in rows] + [0] * padding
+        ids = [self.ids.get(r, 0) if r is not None else 0 for r in rows]
         return {"lora_int_ids": torch.tensor(ids, dtype=torch.int32)}
 
 
