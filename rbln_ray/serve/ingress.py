@@ -127,7 +127,8 @@ class OpenAIIngress:
     ``max_model_lens`` maps each model to its compiled ``max_seq_len`` (when known), so a
     ``max_tokens`` beyond it or beyond the configured cap gets one message (:meth:`_parse`);
     ``image_models`` names the vision-language models (the only ones a chat message may give
-    images to, :mod:`rbln_ray.serve.media_policy`).
+    images to, :mod:`rbln_ray.serve.media_policy`); ``lora_bases`` maps each LoRA adapter's
+    name to the model whose deployment serves it (:mod:`rbln_ray.serve.lora_models`).
     """
 
     async def __init__(
@@ -137,6 +138,7 @@ class OpenAIIngress:
         limits: dict[str, Any] | None = None,
         max_model_lens: dict[str, int | None] | None = None,
         image_models: list[str] | None = None,
+        lora_bases: dict[str, str] | None = None,
     ) -> None:
         from ray import serve
 
@@ -148,6 +150,7 @@ class OpenAIIngress:
         self.servers = servers
         self.max_model_lens = dict(max_model_lens or {})
         self.image_models = set(image_models or ())
+        self.lora_bases = dict(lora_bases or {})
         self.api_key = api_key
         self.app_name = serve.get_replica_context().app_name
         self._status_task: asyncio.Future | None = None
@@ -205,10 +208,10 @@ class OpenAIIngress:
             return error_response(400, validation_message(exc))
         except (VLLMClientError, ValueError) as exc:  # vLLM's own request checks
             return error_response(400, str(exc))
-        known = ", ".join(sorted(self.servers))
+        known = ", ".join(sorted([*self.servers, *self.lora_bases]))
         if not parsed.model:
             return error_response(400, f"model: field required (served models: {known})")
-        if parsed.model not in self.servers:
+        if self._server_name(parsed.model) not in self.servers:
             return error_response(
                 404,
                 f"model {parsed.model!r} does not exist; served models: {known}",
@@ -233,7 +236,8 @@ class OpenAIIngress:
             )
         asked = [getattr(parsed, f, None) for f in ("max_tokens", "max_completion_tokens")]
         max_tokens = max((t for t in asked if t is not None), default=None)
-        limit = max_tokens_limit(limits.max_tokens, self.max_model_lens.get(parsed.model))
+        served_len = self.max_model_lens.get(self._server_name(parsed.model))
+        limit = max_tokens_limit(limits.max_tokens, served_len)
         if max_tokens is not None and max_tokens > limit:
             return error_response(400, max_tokens_message(parsed.model, max_tokens, limit))
         problem = check_processor_kwargs(parsed, limits)
@@ -242,6 +246,10 @@ class OpenAIIngress:
         if problem is not None:
             return error_response(*problem)
         return parsed
+
+    def _server_name(self, model: str) -> str:
+        """The served model whose deployment answers for ``model`` (a LoRA adapter's base)."""
+        return self.lora_bases.get(model, model)
 
     async def _check_media(self, parsed: Any) -> tuple[int, str] | None:
         """The media policy (:mod:`rbln_ray.serve.media_policy`), decoding off the loop."""
@@ -264,7 +272,7 @@ class OpenAIIngress:
         from rbln_ray.serve.request_metrics import record_retry
         from rbln_ray.serve.retry import retry_reason
 
-        handle = self.servers[parsed.model].options(stream=True)
+        handle = self.servers[self._server_name(parsed.model)].options(stream=True)
         for attempt in (1, 2):
             stream = getattr(handle, method).remote(parsed)
             try:

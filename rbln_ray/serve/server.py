@@ -48,6 +48,7 @@ def engine_namespace(
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from rbln_ray.families.registry import vision_for_dir
+    from rbln_ray.serve.lora_models import lora_engine_args
     from rbln_ray.serve.media_policy import replica_media_args
     from rbln_ray.vllm_plugin.options import PREFIX
 
@@ -58,6 +59,9 @@ def engine_namespace(
         if not hasattr(args, key):
             raise ValueError(f"engine_kwargs: unknown vLLM option {key!r} for model {cfg.name}")
         setattr(args, key, value)
+    for key, value in lora_engine_args(cfg, model_path).items():  # its compiled adapters
+        if key not in cfg.engine_kwargs:
+            setattr(args, key, value)
     accepts_images = vision_for_dir(model_path) is not None
     for key, value in replica_media_args(limits or RequestLimits(), accepts_images).items():
         setattr(args, key, value)
