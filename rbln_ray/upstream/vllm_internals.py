@@ -82,6 +82,11 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         "instance attribute",
     ),
     Requirement(
+        "vllm.v1.request:Request.lora_request",
+        f"{LORA_PY} (refuse_unknown: renumbered to the compiled id)",
+        "instance attribute",
+    ),
+    Requirement(
         "vllm.v1.worker.gpu_input_batch:CachedRequestState",
         f"{RUNNER_PY} (lora_request=)",
         "source mentions",

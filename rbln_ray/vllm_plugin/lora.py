@@ -312,16 +312,17 @@ def refuse_unknown(scheduler: Any, gate: LoRAGate | None, request: Any) -> bool:
     lora_request = getattr(request, "lora_request", None)
     if lora_request is None:
         return False
-    problem = (
-        gate.problem(lora_request)
-        if gate is not None
-        else f"LoRA adapter {lora_request.lora_name!r}: no adapters are compiled in; {HOW}"
-    )
-    if problem is None:
-        compiled_id = gate.lora_id(lora_request)
-        if lora_request.lora_int_id != compiled_id:
-            request.lora_request = msgspec.structs.replace(lora_request, lora_int_id=compiled_id)
-        return False
+    if gate is None:
+        problem = f"LoRA adapter {lora_request.lora_name!r}: no adapters are compiled in; {HOW}"
+    else:
+        problem = gate.problem(lora_request)
+        if problem is None:
+            compiled_id = gate.lora_id(lora_request)
+            if lora_request.lora_int_id != compiled_id:
+                request.lora_request = msgspec.structs.replace(
+                    lora_request, lora_int_id=compiled_id
+                )
+            return False
     logger.error("request %s refused: %s", request.request_id, problem)
     vllm_internals.finish_unscheduled_with_error(scheduler, request)
     return True
