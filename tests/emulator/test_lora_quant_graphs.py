@@ -151,3 +151,37 @@ def test_lora_graphs_mix_base_and_two_adapters(tmp_path, family) -> None:
     assert got == expected
     base = hf_greedy(hf, PROMPTS, NEW)
     assert got[1] != base[1] and got[2] != base[2]  # teeth: both adapters change tokens
+
+
+def test_fp8_kv_doubles_the_kv_blocks_a_memory_budget_holds(tmp_path) -> None:
+    """Issue 33: under the same DRAM budget, optimum's block estimate (flash attention, auto
+    blocks) gives the fp8-KV artifact at least twice the KV blocks of the same int8 checkpoint
+    with model-dtype KV, and vLLM's block count (rbln-ray's layout of them) follows. The
+    budget binds for the model-dtype KV (fp32 on the emulator: 8 MiB per layer tensor at 32
+    blocks), not for fp8."""
+    from rbln_ray.compile.artifact import load_artifact
+    from rbln_ray.compile.optimum_compile import compile_hf_model
+    from rbln_ray.compile.quantization import QuantSpec
+    from rbln_ray.vllm_plugin.kv_blocks import BlockLayout
+
+    settings = CompileSettings(
+        batch_size=8,
+        max_seq_len=4096,
+        attn_impl="flash_attn",
+        kvcache_partition_len=1024,
+        decoder_batch_sizes=(8,),
+    )
+    full = 8 * 4096 // 1024
+    blocks, vllm_blocks = {}, {}
+    for kv in ("fp16", "fp8"):
+        qdir = build_tiny_quantized_model("int8", kv, max_position_embeddings=4096)
+        extra = {"quantization": QuantSpec("int8", kv).as_optimum(), "memory_budget": "36MB"}
+        out = compile_hf_model(qdir, tmp_path / kv, settings, extra=extra, hf_kwargs={})
+        art = load_artifact(out)
+        blocks[kv] = art.kvcache_num_blocks
+        layout = BlockLayout.for_artifact(  # as the platform maps them (block_layout)
+            art.kvcache_block_size, art.kvcache_num_blocks, art.max_seq_len, art.prefill_chunk_size
+        )
+        vllm_blocks[kv] = layout.num_inner
+    assert blocks["fp16"] < full and blocks["fp8"] >= 2 * blocks["fp16"], blocks
+    assert vllm_blocks["fp8"] >= 2 * vllm_blocks["fp16"] > 0, vllm_blocks
