@@ -170,7 +170,9 @@ def quant_reference_model(qdir: Path | str):
         return (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype) * s
 
     def fp8_kv_attention(module, query, key, value, attention_mask, **kw):
-        s = kv_scales[module.layer_idx]
+        # the scales live on the module: the registry is global, models of other
+        # checkpoints (cached by _greedy) register the same name
+        s = module.test_kv_scales
         key, value = fake_fp8(key, s["k_scale"]), fake_fp8(value, s["v_scale"])
         return eager_attention_forward(module, query, key, value, attention_mask, **kw)
 
@@ -184,6 +186,8 @@ def quant_reference_model(qdir: Path | str):
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
     model.tie_weights()
+    for layer, scales in kv_scales.items():
+        model.model.layers[layer].self_attn.test_kv_scales = scales
     return model
 
 
