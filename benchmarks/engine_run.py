@@ -7,7 +7,10 @@ argv[1] is a JSON spec::
      "max_model_len": S, "concurrency": C (async), "warmup": W,
      "emulator_mode": "compute" | "timing", "timing_shape": PRESET (optional),
      "executor": "uni" (vLLM's in-process worker, default) | "ray" (RBLNRayExecutor on a
-     local Ray instance: the worker is an actor, as in a Serve replica)}
+     local Ray instance: the worker is an actor, as in a Serve replica),
+     "lora_modules": {NAME: DIR} (adapters compiled into MODEL: enable_lora),
+     "phases": [{"num_prompts", "output_len", "jitter", "lora_mix": [NAME | null, ...]}]
+     ("lora_mix": the adapter of each request in turn, null the base model)}
 
 Prints one ``RESULT {...}`` line: throughput, per-request latencies (async) and, for rbln,
 the runner's step counters and the runtime-call log used for host-overhead analysis.
@@ -40,6 +43,8 @@ def _engine_kwargs(spec: dict) -> dict:
     kwargs = {"model": spec["model"], "seed": 0, "max_num_seqs": spec["max_num_seqs"]}
     if spec["backend"] == "rbln":
         kwargs["worker_extension_cls"] = EXTENSION
+        if spec.get("lora_modules"):
+            kwargs.update(enable_lora=True, max_lora_rank=16)
         if spec.get("executor", "uni") == "ray":
             kwargs["distributed_executor_backend"] = "rbln_ray.executor.RBLNRayExecutor"
     if spec["backend"] == "vllm-cpu":
@@ -100,7 +105,26 @@ def _engine_core_cpu_s() -> float:
     return total
 
 
-def _generate(llm, spec: dict, prompts: list[list[int]], output_len: int, jitter: float) -> dict:
+def _lora_requests(spec: dict, n: int, mix: list[str | None] | None) -> list | None:
+    """Each request's LoRARequest, cycling through ``mix`` (None: the base model)."""
+    if not mix:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    modules = spec["lora_modules"]
+    ids = {name: i for i, name in enumerate(modules, start=1)}
+    names = [mix[i % len(mix)] for i in range(n)]
+    return [LoRARequest(x, ids[x], modules[x]) if x else None for x in names]
+
+
+def _generate(
+    llm,
+    spec: dict,
+    prompts: list[list[int]],
+    output_len: int,
+    jitter: float,
+    lora_mix: list[str | None] | None = None,
+) -> dict:
     rbln = spec["backend"] == "rbln"
     if rbln:
         llm.collective_rpc("emulator_calls_reset")
@@ -108,7 +132,12 @@ def _generate(llm, spec: dict, prompts: list[list[int]], output_len: int, jitter
     params = _params(spec, len(prompts), output_len, jitter)
     cpu_before = _engine_core_cpu_s()
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        params,
+        use_tqdm=True,
+        lora_request=_lora_requests(spec, len(prompts), lora_mix),
+    )
     elapsed = time.perf_counter() - start
     engine_cpu = _engine_core_cpu_s() - cpu_before
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -146,7 +175,9 @@ def run_llm(spec: dict, prompts: list[list[int]]) -> dict:
     results = []
     for i, phase in enumerate(phases):
         ps = make_prompts(phase["num_prompts"], spec["input_len"], vocab_of(spec["model"]), i + 1)
-        out = _generate(llm, spec, ps, phase["output_len"], phase.get("jitter", 0.0))
+        out = _generate(
+            llm, spec, ps, phase["output_len"], phase.get("jitter", 0.0), phase.get("lora_mix")
+        )
         results.append({"phase": phase, **out})
     return {"phases": results}
 

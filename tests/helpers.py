@@ -98,14 +98,109 @@ def hf_greedy(
 
     Never stops at EOS and never masks it: matches vLLM's ``ignore_eos=True``.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
 
-    key_dir = str(model_dir)
-    if key_dir not in _HF_MODELS:
+    def load():
+        import torch
+        from transformers import AutoModelForCausalLM
+
         # .float(): a pre-quantized checkpoint (gpt-oss MXFP4) is dequantized to bfloat16 by
         # transformers on CPU; its values are exact in float32, where the comparison runs.
-        model = AutoModelForCausalLM.from_pretrained(key_dir, dtype=torch.float32).float().eval()
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).float()
+
+    return _greedy(str(model_dir), load, prompts, max_new_tokens)
+
+
+def hf_greedy_merged(
+    model_dir: Path | str, adapter_dir: Path | str | None, prompts: list[list[int]], n: int
+) -> list[list[int]]:
+    """:func:`hf_greedy` of the model with a PEFT LoRA adapter merged into its weights
+    (``W += alpha / r * B @ A``; rsLoRA: ``alpha / sqrt(r)``), computed here in plain torch:
+    the reference for compiled-in adapters. ``adapter_dir`` None: the base model."""
+    if adapter_dir is None:
+        return hf_greedy(model_dir, prompts, n)
+
+    def load():
+        import math
+
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+        r, alpha = cfg["r"], cfg["lora_alpha"]
+        scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        lora = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+        state = model.state_dict()
+        for key, a in lora.items():
+            if key.endswith("lora_A.weight"):
+                b = lora[key.replace("lora_A", "lora_B")]
+                target = key.removeprefix("base_model.model.").replace(".lora_A", "")
+                state[target] = state[target] + scaling * (b @ a)
+        model.load_state_dict(state)
+        return model
+
+    return _greedy(f"{model_dir}+{adapter_dir}", load, prompts, n)
+
+
+def quant_reference_model(qdir: Path | str):
+    """transformers computing what a quantized checkpoint means, in plain torch: every
+    quantized projection dequantized (``q.float() * weight_scale``), and with fp8 KV scales
+    every key and value (after RoPE) rounded through float8_e4m3fn
+    (``(x / s).clamp(+-448).to(fp8).float() * s``) before eager attention."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    tensors = load_file(str(Path(qdir) / "model.safetensors"))
+    state, kv_scales = {}, {}
+    for key, t in tensors.items():
+        if key.endswith(".weight_scale"):
+            continue
+        if key.endswith(("self_attn.k_scale", "self_attn.v_scale")):
+            layer = int(key.split(".")[2])
+            kv_scales.setdefault(layer, {})[key.rsplit(".", 1)[-1]] = t.float()
+            continue
+        scale = tensors.get(key.removesuffix("weight") + "weight_scale")
+        state[key] = t.float() * scale.float() if scale is not None else t.float()
+
+    def fake_fp8(x, s):
+        return (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype) * s
+
+    def fp8_kv_attention(module, query, key, value, attention_mask, **kw):
+        # the scales live on the module: the registry is global, models of other
+        # checkpoints (cached by _greedy) register the same name
+        s = module.test_kv_scales
+        key, value = fake_fp8(key, s["k_scale"]), fake_fp8(value, s["v_scale"])
+        return eager_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    # a custom attention needs its mask function too, else the prefill is not causal
+    AttentionInterface.register("test_fp8_kv", fp8_kv_attention)
+    AttentionMaskInterface.register("test_fp8_kv", eager_mask)
+    config = AutoConfig.from_pretrained(str(qdir))
+    del config.quantization_config
+    attn = "test_fp8_kv" if kv_scales else "eager"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
+    model.tie_weights()
+    for layer, scales in kv_scales.items():
+        model.model.layers[layer].self_attn.test_kv_scales = scales
+    return model
+
+
+def hf_greedy_quantized(qdir: Path | str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """:func:`hf_greedy` of :func:`quant_reference_model`."""
+    return _greedy(f"quantized:{qdir}", lambda: quant_reference_model(qdir), prompts, n)
+
+
+def _greedy(key_dir: str, load, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    import torch
+
+    if key_dir not in _HF_MODELS:
+        model = load().eval()
         model.generation_config.eos_token_id = None
         _HF_MODELS[key_dir] = model
     model = _HF_MODELS[key_dir]

@@ -21,7 +21,7 @@ def _flag(name: str) -> str:
 
 def _argument(annotation: Any) -> dict[str, Any]:
     """argparse options for a field's type (``X | None`` is X; a tuple of ints a comma list;
-    a Literal its choices; a bool a --x/--no-x pair)."""
+    a Literal its choices; a bool a --x/--no-x pair; a dict NAME=VALUE words)."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
         annotation = args[0]
@@ -30,6 +30,8 @@ def _argument(annotation: Any) -> dict[str, Any]:
         return {"choices": list(typing.get_args(annotation))}
     if origin is tuple:
         return {"type": str, "metavar": "N,N,..."}
+    if origin is dict:  # NAME=VALUE pairs, as vLLM's --lora-modules
+        return {"type": str, "nargs": "+", "metavar": "NAME=DIR"}
     if annotation is bool:
         return {"action": argparse.BooleanOptionalAction}
     return {"type": annotation}

@@ -4,6 +4,8 @@
     rbln-ray plan --device rebel --model llama-3-70b --input-len 1024 --output-len 256 --rate 10
     rbln-ray plan --params 8e9 --layers 32 --hidden 4096 --kv-bytes-per-token 131072 ...
     rbln-ray plan --model path/to/hf_dir ... --json
+    rbln-ray plan --model llama-3-8b --weights int8 --kv-cache-dtype fp8 ...
+    rbln-ray plan --model llama-3-8b --lora-adapters 4 --max-lora-rank 16 ...
 
 Estimates come from the cost model of the chosen device (ATOM by default, or
 REBEL; rbln_ray.npu.cost_model lists which figures are published and which are
@@ -17,8 +19,8 @@ import json
 from dataclasses import replace
 
 from rbln_ray.npu import kinds
-from rbln_ray.npu.cost_model import PRESETS, SPECS, DeviceSpec, shape_from_spec
-from rbln_ray.planning import Limits, Plan, Workload, plan, shape_from_dims
+from rbln_ray.npu.cost_model import PRESETS, SPECS, DeviceSpec, ModelShape, shape_from_spec
+from rbln_ray.planning import Limits, Plan, Workload, compiled_shape, plan, shape_from_dims
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,6 +34,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--hidden", type=int)
     m.add_argument("--kv-bytes-per-token", type=int, help="all layers, K and V, FP16")
     m.add_argument("--vocab", type=int, default=32000)
+    v = p.add_argument_group(
+        "how the model is compiled (default: as --model DIR says: its quantization_config, "
+        "or a compiled dir's rbln_config.json; else FP16 with no adapters)"
+    )
+    v.add_argument("--weights", choices=("fp16", "int8", "fp8"), help="projection weights")
+    v.add_argument("--kv-cache-dtype", choices=("fp16", "fp8"), help="KV cache elements")
+    v.add_argument("--lora-adapters", type=int, help="LoRA adapters compiled in")
+    v.add_argument("--max-lora-rank", type=int, default=16, help="their stacked rank")
+    v.add_argument(
+        "--lora-targets",
+        default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        help="projections the adapters adapt (comma list)",
+    )
     w = p.add_argument_group("workload")
     w.add_argument("--input-len", type=int, required=True)
     w.add_argument("--output-len", type=int, required=True)
@@ -76,9 +91,23 @@ def device_spec(args: argparse.Namespace) -> DeviceSpec:
     return replace(spec, **given)
 
 
+def with_flags(shape: ModelShape, args: argparse.Namespace) -> ModelShape:
+    """``shape`` stored as the weights / KV / LoRA flags say (flags not given: unchanged)."""
+    changes: dict = {}
+    if args.weights is not None:
+        changes["linear_weight_bytes"] = None if args.weights == "fp16" else 1.0
+    if args.kv_cache_dtype is not None:
+        changes["kv_bytes"] = 1 if args.kv_cache_dtype == "fp8" else 2
+    if args.lora_adapters is not None:
+        changes["lora_adapters"] = args.lora_adapters
+        changes["lora_rank"] = args.max_lora_rank if args.lora_adapters else 0
+        changes["lora_modules"] = tuple(t for t in args.lora_targets.split(",") if t)
+    return replace(shape, **changes)
+
+
 def build(args: argparse.Namespace) -> Plan:
     if args.model:
-        shape = shape_from_spec(args.model)
+        shape = compiled_shape(shape_from_spec(args.model), args.model)
     elif args.params and args.layers and args.hidden and args.kv_bytes_per_token:
         shape = shape_from_dims(
             args.params, args.layers, args.hidden, args.kv_bytes_per_token, args.vocab
@@ -87,6 +116,7 @@ def build(args: argparse.Namespace) -> Plan:
         raise SystemExit(
             "give --model PRESET|DIR, or --params, --layers, --hidden and --kv-bytes-per-token"
         )
+    shape = with_flags(shape, args)
     spec = device_spec(args)
     limits = Limits(cards_per_node=args.cards_per_node)
     if args.batch_sizes:
@@ -105,12 +135,23 @@ def build(args: argparse.Namespace) -> Plan:
     return plan(shape, work, spec, limits)
 
 
+def storage(m: dict) -> str:
+    """How a planned model's weights are stored, for the plan's first line."""
+    lwb = m.get("linear_weight_bytes")
+    text = "FP16" if lwb is None else f"{'8-bit' if lwb == 1 else f'{lwb * 8:g}-bit'} projections"
+    if m.get("lora_adapters"):
+        text += f", {m['lora_adapters']} LoRA adapters of rank {m['lora_rank']}"
+    return text
+
+
 def render(result: Plan, show_all: bool = False) -> str:
     m, w = result.model, result.workload
     device = result.spec.get("name", "ATOM")
     lines = [
         f"model {m['name']}: {m['params'] / 1e9:.2f} B params, {m['num_layers']} layers, "
-        f"hidden {m['hidden_size']}, KV {m['kv_bytes_per_token'] / 1024:.0f} KiB/token (FP16)",
+        f"hidden {m['hidden_size']}, weights {m['weight_bytes_total'] / 2**30:.1f} GiB "
+        f"({storage(m)}), KV {m['kv_bytes_per_token'] / 1024:.0f} KiB/token "
+        f"({'FP8' if m['kv_bytes'] == 1 else 'FP16'})",
         f"workload: {w['input_len']} in / {w['output_len']} out tokens, {w['rate']:g} req/s, "
         f"max_seq_len {w['max_seq_len']}, target utilization {w['utilization']:.0%}",
         f"{device} model: {result.spec['peak_flops'] / 1e12:g} TFLOPS x "

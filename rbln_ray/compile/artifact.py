@@ -13,6 +13,8 @@ from pathlib import Path
 
 from rbln_ray.common.artifact_files import PIPELINE_MANIFEST, RBLN_CONFIG
 from rbln_ray.compile.encoders import EncoderArtifact
+from rbln_ray.compile.lora import LoRAInfo
+from rbln_ray.compile.quantization import QuantSpec
 from rbln_ray.families.registry import (
     DecoderFamily,
     encoder_for_dir,
@@ -62,6 +64,8 @@ class CompiledArtifact:
     # graphs.
     vision_family: str = ""
     dtype: str = "float32"  # what the compiled graphs compute in (optimum's rbln_config dtype)
+    lora: LoRAInfo | None = None  # compiled-in LoRA adapters (rbln_ray.compile.lora)
+    quantization: QuantSpec | None = None  # quantized weights / KV (compile.quantization)
     # Some layers keep a per-sequence state in one row per compiled batch slot (Qwen3.5's
     # linear attention, optimum's linear_attention_layers): a prefill names the row
     # (batch_idx) and every decode step runs the full batch, device row i on state row i.
@@ -144,6 +148,8 @@ class CompiledArtifact:
             prefill_resumable=_prefill_resumable(raw.get("cls_name", "")),
             vision_family=vision.name if vision is not None else "",
             dtype=raw.get("dtype") or "float32",
+            lora=LoRAInfo.from_rbln_config(raw.get("lora_config")),
+            quantization=QuantSpec.from_rbln_config(raw.get("quantization")),
             state_slots=bool(raw.get("linear_attention_layers")),
         )
 

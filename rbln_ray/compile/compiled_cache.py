@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from rbln_ray.common.paths import atomic_dir, cache_dir, file_lock
+from rbln_ray.compile import lora
 from rbln_ray.compile.artifact import is_compiled_dir
 from rbln_ray.compile.settings import CompileSettings
 from rbln_ray.families.registry import family_for_dir
@@ -62,10 +63,13 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
         return model_dir
     hf_config = json.loads((model_dir / "config.json").read_text())
     settings = (settings or CompileSettings()).with_max_seq_len(hf_config)
+    keyed = settings.as_dict()
+    if settings.lora_modules:  # adapters by content, not by where they are
+        keyed["lora_modules"] = lora.modules_key(settings.lora_modules)
     key = hashlib.sha256(
         (
             content_hash(model_dir)
-            + json.dumps(settings.as_dict(), sort_keys=True)
+            + json.dumps(keyed, sort_keys=True)
             + target_npu()
             + f"format-{ARTIFACT_FORMAT}"
         ).encode()
@@ -86,5 +90,6 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
         started = time.monotonic()
         with atomic_dir(out) as tmp:
             compile_directory(model_dir, tmp, settings)
+            lora.relocate(tmp, out)  # the adapter copies' paths once renamed to out
         logger.info("compiled %s in %.1f s", out.name, time.monotonic() - started)
     return out

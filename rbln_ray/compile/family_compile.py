@@ -13,7 +13,8 @@ import json
 import logging
 from pathlib import Path
 
-from rbln_ray.compile.settings import CompileSettings
+from rbln_ray.compile import lora, quantization
+from rbln_ray.compile.settings import TRANSLATED, CompileSettings
 from rbln_ray.families.registry import (
     DecoderFamily,
     EncoderFamily,
@@ -48,6 +49,12 @@ def compile_model(hf_dir: str | Path, out_dir: str | Path, settings: CompileSett
     for caveat in family.caveats(hf_config):
         logger.warning("%s (%s): %s", hf_dir, family.architecture, caveat)
     rbln_extra, hf_kwargs = family.compile_options(hf_config)
+    quant = quantization.for_compile(hf_dir, family, hf_config, settings)
+    adapters = lora.for_compile(hf_dir, family, hf_config, settings, quant is not None)
+    if quant is not None:
+        rbln_extra["quantization"] = quant.as_optimum()
+    if adapters:
+        rbln_extra["lora_config"] = lora.stage_adapters(adapters, Path(out_dir))
     try:
         return compile_hf_model(hf_dir, out_dir, settings, extra=rbln_extra, hf_kwargs=hf_kwargs)
     except (ValueError, NotImplementedError) as exc:
@@ -74,6 +81,12 @@ def compile_directory(
     problem (an unsupported architecture before any weights load, a setting that does not
     apply to the model's kind, or optimum-rbln's own rejection)."""
     family = family_for_dir(hf_dir)  # raises naming the supported architectures
+    translated = [k for k in TRANSLATED if getattr(settings, k) is not None]
+    if translated and (pipeline_stages > 1 or not isinstance(family, DecoderFamily)):
+        what = f"{pipeline_stages}-stage pipelines" if pipeline_stages > 1 else family.architecture
+        raise CompileConfigError(
+            f"{', '.join(translated)}: compiled for single-stage decoders only, not {what}"
+        )
     if pipeline_stages > 1 and not isinstance(family, DecoderFamily):
         raise CompileConfigError(
             f"{family.architecture}: pipeline stages are served for decoders only"

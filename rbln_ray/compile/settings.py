@@ -19,6 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 DEFAULT_MAX_SEQ_LEN_CAP = 4096
 
 
+# Settings rbln-ray translates into optimum's own (quantization, lora_config) after checking
+# them against the checkpoint, rather than passing them on as they are.
+TRANSLATED = ("quantization", "kv_cache_dtype", "lora_modules")
+
+
 class CompileSettingsError(ValueError):
     """A compile setting is unknown or has an invalid value (the message names it)."""
 
@@ -56,12 +61,37 @@ class CompileSettings(BaseModel):
         description="compiled KV blocks (default: optimum's; blocks beyond batch x "
         "sequences keep more prefixes cached)",
     )
+    # Translated by rbln_ray.compile.quantization / .lora, never passed to optimum as they are.
+    quantization: Literal["int8", "fp8"] | None = Field(
+        None,
+        description="weights of a pre-quantized checkpoint (default: what its "
+        "quantization_config says; rbln-ray compiles quantized checkpoints, it does not quantize)",
+    )
+    kv_cache_dtype: Literal["fp8"] | None = Field(
+        None, description="fp8: fp8 (e4m3) KV caches, with the checkpoint's KV scales"
+    )
+    lora_modules: dict[str, str] | None = Field(
+        None,
+        description="LoRA adapters compiled into the model, NAME=DIR (PEFT directories); "
+        "requests choose one by name",
+    )
 
     @field_validator("decoder_batch_sizes", mode="before")
     @classmethod
     def _sizes(cls, value: Any) -> Any:
         if isinstance(value, str):
             return tuple(int(s) for s in value.split(",") if s.strip())
+        return value
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _modules(cls, value: Any) -> Any:
+        if isinstance(value, (list, tuple)):  # NAME=DIR strings (the CLI's, vLLM's form)
+            pairs = [str(v).partition("=") for v in value]
+            bad = [f"{n}{s}{p}" for n, s, p in pairs if not (n and s and p)]
+            if bad:
+                raise ValueError(f"expected NAME=DIR, got {bad}")
+            return {n: p for n, _, p in pairs}
         return value
 
     @classmethod
@@ -98,7 +128,7 @@ class CompileSettings(BaseModel):
         a setting left at None is left out, so optimum's default applies."""
         if self.max_seq_len is None:
             raise CompileSettingsError("max_seq_len is not set (see with_max_seq_len)")
-        values = {**self.model_dump(), **extra}
+        values = {**self.model_dump(exclude=set(TRANSLATED)), **extra}
         if values.get("decoder_batch_sizes") is not None:
             values["decoder_batch_sizes"] = list(values["decoder_batch_sizes"])
         return {k: v for k, v in values.items() if v is not None}

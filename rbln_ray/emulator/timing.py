@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rbln_ray.common import envs
-from rbln_ray.common.artifact_files import PIPELINE_MANIFEST
+from rbln_ray.common.artifact_files import PIPELINE_MANIFEST, RBLN_CONFIG
 from rbln_ray.emulator.call_log import describe, record_call, record_copy
 from rbln_ray.emulator.compiled_model import graph_outputs
 from rbln_ray.npu.cost_model import (
@@ -168,7 +168,17 @@ def pipeline_stage(cm: Any) -> tuple[float, bool] | None:
 
 def graph_shape(cm: Any) -> ModelShape:
     """The shape to model: ``RBLN_RAY_TIMING_SHAPE``, else the compiled dir's config.json
-    (a pipeline stage's graphs find it one directory up)."""
+    (a pipeline stage's graphs find it one directory up); either way stored as the artifact
+    stores it (quantized weights, fp8 KV, LoRA adapters: its rbln_config.json)."""
+    shape = _model_shape(cm)
+    path = getattr(cm, "path", None)
+    config = Path(path).parent / RBLN_CONFIG if path is not None else None
+    if config is not None and config.is_file():
+        shape = shape.with_rbln_config(json.loads(config.read_text()))
+    return shape
+
+
+def _model_shape(cm: Any) -> ModelShape:
     override = (envs.get("RBLN_RAY_TIMING_SHAPE") or "").strip()
     if override:
         return shape_from_spec(override)

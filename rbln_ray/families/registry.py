@@ -91,6 +91,11 @@ class DecoderFamily(Family):
     # config.json keys optimum-rbln 0.12 compiles without error but does not honour -> why
     ignored_config: Mapping[str, str] = field(default_factory=dict)
     tiny: TinyRecipe = field(default_factory=lambda: TinyRecipe("LlamaConfig"))
+    # Compiled LoRA adapters (rbln_ray.compile.lora) and pre-quantized checkpoints
+    # (rbln_ray.compile.quantization), verified for the family by tests/emulator/
+    # test_lora_quant_graphs.py (greedy against merged / dequantized transformers).
+    lora: bool = False
+    quantization: bool = False
 
     def compile_options(self, hf_config: Mapping[str, Any]) -> tuple[dict, dict]:
         """(extra ``rbln_config`` entries, extra Hugging Face loading options)."""
@@ -194,6 +199,8 @@ _FAMILIES: tuple[Family, ...] = (
         "RBLNLlamaForCausalLM",
         "llama",
         verified_by={impl: f"{LLM_GREEDY_TEST}[llama-{impl}]" for impl in ("eager", "flash_attn")},
+        lora=True,
+        quantization=True,
     ),
     _zoo(
         "qwen2",
@@ -205,6 +212,7 @@ _FAMILIES: tuple[Family, ...] = (
             "flash_attn": f"{GREEDY_TEST}[qwen2-flash_attn]",
         },
         tiny=TinyRecipe("Qwen2Config"),
+        lora=True,
     ),
     _zoo(
         "qwen3",
@@ -216,6 +224,9 @@ _FAMILIES: tuple[Family, ...] = (
             "flash_attn": f"{LLM_GREEDY_TEST}[qwen3-flash_attn]",
         },
         tiny=TinyRecipe("Qwen3Config", {"head_dim": HEAD_DIM}),
+        # no LoRA: optimum-rbln 0.12's Qwen3Attention never wraps its projections in LoRA
+        # layers yet calls them with an adapter id (TypeError at compile)
+        quantization=True,
     ),
     _zoo(
         "mistral",

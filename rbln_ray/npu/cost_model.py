@@ -15,7 +15,14 @@ Model of one device call (roofline, one compiled graph invocation):
 - seconds = max(FLOPs / (peak x compute_eff), bytes / (bandwidth x dram_eff)) / tp_eff(N)
   + per-call overhead (+ a per-layer sync cost when the graph spans N > 1 devices).
 
-Weights and KV are costed in FP16 (2 bytes); REBEL's FP8 path is not modelled.
+Weights and KV are costed in FP16 (2 bytes) unless the shape says otherwise: a quantized
+artifact's projections (``linear_weight_bytes`` 1 for int8/fp8, plus their per-channel fp32
+scales) and fp8 KV caches (``kv_bytes`` 1) are read at their own width. Compute stays at the
+FP16 peak (weight-only quantization dequantizes in the graph; REBEL's FP8 compute path is not
+modelled). Compiled-in LoRA adapters add their stacked A/B matrices to the weights, read per
+call for the adapters the call's rows use, and ``2 x tokens x rank x (in + out)`` FLOPs per
+adapted projection and layer (every row pays: the graph computes the LoRA path for base rows
+too, with adapter 0's zeros).
 
 Device parameters (published where marked; every other figure is an assumption):
 
@@ -142,6 +149,13 @@ class ModelShape:
     num_experts: int = 0  # routed experts per layer (0: dense MLP)
     experts_per_token: int = 0
     shared_expert_size: int = 0  # width of an always-active shared expert (Qwen2-MoE)
+    # Quantized projections (q/k/v/o, dense gate/up/down): bytes per weight (int8/fp8: 1),
+    # with one fp32 scale per output channel; None: as every other weight.
+    linear_weight_bytes: float | None = None
+    # Compiled-in LoRA adapters: how many, the stacked rank, and the projections adapted.
+    lora_adapters: int = 0
+    lora_rank: int = 0
+    lora_modules: tuple[str, ...] = ()
 
     @property
     def _mlp_matrices(self) -> int:
@@ -198,9 +212,56 @@ class ModelShape:
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * self.active_layer_params + embeddings + self.hidden_size
 
+    def projection_dims(self) -> dict[str, tuple[int, int]]:
+        """``(in, out)`` of each attention projection and dense MLP matrix of a layer."""
+        h, q = self.hidden_size, self.num_heads * self.head_dim
+        kv, inter = self.num_kv_heads * self.head_dim, self.intermediate_size
+        dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        if not self.num_experts:
+            mlp = {"up_proj": (h, inter), "down_proj": (inter, h)}
+            dims.update({"gate_proj": (h, inter), **mlp} if self.gated_mlp else mlp)
+        return dims
+
+    @property
+    def _quantized_layer_params(self) -> int:
+        """Parameters of one layer stored at ``linear_weight_bytes`` (0 when unquantized)."""
+        if self.linear_weight_bytes is None:
+            return 0
+        return sum(i * o for i, o in self.projection_dims().values())
+
+    def _layer_weight_bytes(self, params: float) -> float:
+        """Bytes of ``params`` parameters of one layer, its quantized projections included
+        (``params`` counts them)."""
+        quantized = self._quantized_layer_params
+        if not quantized:
+            return params * self.weight_bytes
+        scales = 4 * sum(o for _, o in self.projection_dims().values())
+        return (
+            (params - quantized) * self.weight_bytes + quantized * self.linear_weight_bytes + scales
+        )
+
+    def lora_layer_bytes(self, adapters: int | None = None) -> float:
+        """Bytes of one layer's stacked LoRA matrices (``adapters`` of them; default all, the
+        base model's zero adapter included)."""
+        if not self.lora_adapters or not self.lora_modules:
+            return 0.0
+        n = self.lora_adapters + 1 if adapters is None else adapters
+        dims = self.projection_dims()
+        return (
+            float(n * self.lora_rank * sum(sum(dims[m]) for m in self.lora_modules if m in dims))
+            * self.weight_bytes
+        )
+
+    def lora_flops_per_token(self) -> float:
+        """FLOPs of the LoRA path of one token in one layer."""
+        dims = self.projection_dims()
+        return 2.0 * self.lora_rank * sum(sum(dims[m]) for m in self.lora_modules if m in dims)
+
     @property
     def weight_bytes_total(self) -> int:
-        return self.params * self.weight_bytes
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        layer = self._layer_weight_bytes(self.layer_params) + self.lora_layer_bytes()
+        return int(self.num_layers * layer + (embeddings + self.hidden_size) * self.weight_bytes)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -233,12 +294,35 @@ class ModelShape:
             shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0),
         )
 
+    def with_rbln_config(self, raw: dict[str, Any]) -> ModelShape:
+        """This shape as a compiled artifact stores it: its ``rbln_config.json``'s
+        ``quantization`` (int8/fp8 weights, fp8 KV) and ``lora_config`` (adapters, rank,
+        adapted projections)."""
+        changes: dict[str, Any] = {}
+        quant = raw.get("quantization") or {}
+        if quant.get("weights") in ("int8", "fp8"):
+            changes["linear_weight_bytes"] = 1.0
+        elif quant.get("weights") == "int4":
+            changes["linear_weight_bytes"] = 0.5
+        if quant.get("kv_caches") == "fp8":
+            changes["kv_bytes"] = 1
+        adapters = (raw.get("lora_config") or {}).get("adapters") or []
+        if adapters:
+            modules = {m for a in adapters for m in a.get("target_modules") or ()}
+            changes["lora_adapters"] = len(adapters)
+            changes["lora_rank"] = int(
+                raw["lora_config"].get("max_lora_rank") or max(a["r"] for a in adapters)
+            )
+            changes["lora_modules"] = tuple(sorted(modules))
+        return replace(self, **changes) if changes else self
+
     def as_dict(self) -> dict[str, Any]:
         return {
             **asdict(self),
             "params": self.params,
             "active_params": self.active_params,
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "weight_bytes_total": self.weight_bytes_total,
         }
 
 
@@ -370,6 +454,7 @@ def call_cost(
     q_dim = shape.num_heads * shape.head_dim
     attended = sum(r.new * (r.start + (r.new + 1) / 2) for r in rows)  # causal within the call
     flops_linear = 2.0 * L * shape.active_layer_params * tokens  # MoE: routed experts only
+    flops_linear += L * shape.lora_flops_per_token() * tokens
     flops_head = 2.0 * shape.vocab_size * H * logit_rows
     flops_attn = 4.0 * L * q_dim * attended
     flops = flops_linear + flops_head + flops_attn
@@ -378,9 +463,10 @@ def call_cost(
     experts_read = shape.expert_params * max(1, shape.num_experts)
     experts_read *= shape.expert_fraction_read(tokens)
     layer_read = shape.layer_params - shape.expert_params * max(1, shape.num_experts)
-    weights = (L * (layer_read + experts_read) + (shape.vocab_size * H if lm_head else 0)) * (
-        shape.weight_bytes
-    )
+    # the adapters of the call's rows (at most every compiled one, the base's zeros included)
+    lora_read = shape.lora_layer_bytes(min(len(rows), shape.lora_adapters + 1))
+    weights = L * (shape._layer_weight_bytes(layer_read + experts_read) + lora_read)
+    weights += (shape.vocab_size * H if lm_head else 0) * shape.weight_bytes
     kv_read = per_token_kv * sum(r.start for r in rows)
     kv_write = per_token_kv * tokens
     mlp_width = shape.intermediate_size * (shape.experts_per_token or 1) + shape.shared_expert_size

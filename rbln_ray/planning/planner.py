@@ -19,6 +19,7 @@ fewest cards wins (ties: the lower TPOT). Latency SLOs, when given, drop the (N,
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -291,3 +292,23 @@ def shape_from_dims(
         vocab_size=vocab_size,
         name=name,
     )
+
+
+def compiled_shape(shape: ModelShape, model: str) -> ModelShape:
+    """``shape`` as the model ``model`` names is stored: a compiled directory's
+    ``rbln_config.json`` (quantization, LoRA adapters), or an HF directory's pre-quantized
+    ``quantization_config`` (what ``rbln-ray compile`` would make of it); a preset as is."""
+    from pathlib import Path
+
+    from rbln_ray.compile.quantization import spec_from_hf_config
+
+    directory = Path(model)
+    if directory.is_file():
+        directory = directory.parent
+    if (directory / "rbln_config.json").is_file():
+        return shape.with_rbln_config(json.loads((directory / "rbln_config.json").read_text()))
+    if (directory / "config.json").is_file():
+        spec = spec_from_hf_config(json.loads((directory / "config.json").read_text()))
+        if spec is not None:
+            return shape.with_rbln_config({"quantization": spec.as_optimum()})
+    return shape

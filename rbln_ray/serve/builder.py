@@ -26,6 +26,7 @@ from rbln_ray.serve.config import (
     load_config,
 )
 from rbln_ray.serve.ingress import OpenAIIngress
+from rbln_ray.serve.lora_models import adapter_bases
 from rbln_ray.serve.naming import server_deployment_name
 from rbln_ray.serve.server import LLMServer
 
@@ -177,6 +178,7 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
     )
     lens = {m.name: compiled_max_seq_len(m) for m in config.models}
     image_models = [m.name for m in config.models if accepts_images(m)]
+    bases = adapter_bases(config.models)  # LoRA adapters, served by their base's deployment
     return ingress.bind(
         servers,
         config.resolved_api_key(),
@@ -184,4 +186,5 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
         lens,
         image_models,
         config.cors_allowed_origins,
+        bases,
     )

@@ -272,7 +272,8 @@ class OpenAIIngress:
     ``max_model_lens`` maps each model to its compiled ``max_seq_len`` (when known), so a
     ``max_tokens`` beyond it or beyond the configured cap gets one message;
     ``image_models`` names the vision-language models (the only ones a request may give
-    images to, :mod:`rbln_ray.serve.media_policy`).
+    images to, :mod:`rbln_ray.serve.media_policy`); ``lora_bases`` maps each LoRA adapter's
+    name to the model whose deployment serves it (:mod:`rbln_ray.serve.lora_models`).
     """
 
     async def __init__(
@@ -283,6 +284,7 @@ class OpenAIIngress:
         max_model_lens: dict[str, int | None] | None = None,
         image_models: list[str] | None = None,
         cors_allowed_origins: list[str] | None = None,
+        lora_bases: dict[str, str] | None = None,
     ) -> None:
         from ray import serve
 
@@ -298,6 +300,7 @@ class OpenAIIngress:
             image_models,
             serve.get_replica_context().app_name,
             cors_allowed_origins,
+            lora_bases,
         )
 
     def configure(
@@ -309,6 +312,7 @@ class OpenAIIngress:
         image_models: list[str] | None,
         app_name: str,
         cors_allowed_origins: list[str] | None = None,
+        lora_bases: dict[str, str] | None = None,
     ) -> None:
         """Set the ingress up (its constructor's work without a Serve replica: tests)."""
         self.cors_allowed_origins = list(cors_allowed_origins or ())
@@ -316,6 +320,7 @@ class OpenAIIngress:
         self.servers = servers
         self.max_model_lens = dict(max_model_lens or {})
         self.image_models = set(image_models or ())
+        self.lora_bases = dict(lora_bases or {})
         self.api_key = api_key
         self.app_name = app_name
         self.tags = {model_tag(name): name for name in servers}
@@ -352,8 +357,12 @@ class OpenAIIngress:
         return await asyncio.shield(self._status_task)
 
     def _model(self, model: Any, family: str) -> str | JSONResponse:
-        """The served model a request names, or the 4xx that says why there is none."""
-        known = ", ".join(sorted(self.servers))
+        """The served model whose deployment answers a request naming ``model`` (a LoRA
+        adapter's base model: its replicas' vLLM serves the adapter), or the 4xx that says
+        why there is none."""
+        known = ", ".join(sorted([*self.servers, *self.lora_bases]))
+        if isinstance(model, str) and model in self.lora_bases:
+            return self.lora_bases[model]
         if not model:
             return error_response(
                 400, f"model: field required (served models: {known})", family=family
@@ -555,7 +564,7 @@ class OpenAIIngress:
         if isinstance(found, Response):
             return found
         cards = (await self.servers[found].models.remote())["data"]
-        card = next((c for c in cards if c.get("id") == found), cards[0] if cards else None)
+        card = next((c for c in cards if c.get("id") == model), cards[0] if cards else None)
         return JSONResponse(card)
 
     async def health(self) -> Response:

@@ -54,11 +54,14 @@ def engine_namespace(
     media policy (:func:`rbln_ray.serve.media_policy.replica_media_args`: it wins over
     ``engine_kwargs``)."""
     from rbln_ray.families.registry import vision_for_dir
+    from rbln_ray.serve.lora_models import lora_engine_args
     from rbln_ray.serve.media_policy import replica_media_args
     from rbln_ray.serve.vllm_args import serve_namespace
     from rbln_ray.vllm_plugin.options import PREFIX
 
     kwargs = cfg.vllm_kwargs()
+    for key, value in lora_engine_args(cfg, model_path).items():  # its compiled adapters
+        kwargs.setdefault(key, value)
     accepts_images = vision_for_dir(model_path) is not None
     kwargs.update(replica_media_args(limits or RequestLimits(), accepts_images))
     args = serve_namespace(model_path, cfg.name, kwargs)

@@ -24,6 +24,7 @@ SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 INPUT_BATCH = "vllm.v1.worker.gpu_input_batch:InputBatch"
 SCHED_PY = "rbln_ray/vllm_plugin/scheduler.py"
 RUNNER_PY = "rbln_ray/vllm_plugin/model_runner.py"
+LORA_PY = "rbln_ray/vllm_plugin/lora.py"
 
 REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement(f"{SCHEDULER}.schedule", SCHED_PY, params=("throttle_prefills",)),
@@ -111,6 +112,31 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         "source mentions",
         ("server.should_exit = True",),
     ),
+    Requirement(
+        f"{SCHEDULER}.requests", f"{SCHED_PY} (finish_unscheduled_with_error)", "instance attribute"
+    ),
+    Requirement(f"{SCHEDULER}.has_requests", SCHED_PY),
+    Requirement(
+        "vllm.entrypoints.launchers.cli_args:LoRAParserAction.__call__",
+        f"{LORA_PY} (record_cli_modules)",
+        params=("parser", "namespace", "values", "option_string"),
+    ),
+    Requirement(
+        "vllm.utils.argparse_utils:FlexibleArgumentParser._actions",
+        f"{LORA_PY} (parser_actions)",
+        "instance attribute",
+    ),
+    Requirement(
+        "vllm.v1.request:Request.lora_request",
+        f"{LORA_PY} (refuse_unknown: renumbered to the compiled id)",
+        "instance attribute",
+    ),
+    Requirement(
+        "vllm.v1.worker.gpu_input_batch:CachedRequestState",
+        f"{RUNNER_PY} (lora_request=)",
+        "source mentions",
+        ("lora_request: LoRARequest | None",),
+    ),
     Requirement(f"{INPUT_BATCH}.token_ids_cpu", f"{RUNNER_PY} (record)", "instance attribute"),
     Requirement(f"{INPUT_BATCH}.is_token_ids", f"{RUNNER_PY} (record)", "instance attribute"),
     Requirement(f"{INPUT_BATCH}.num_tokens_no_spec", f"{RUNNER_PY} (record)", "instance attribute"),
@@ -176,6 +202,23 @@ def finish_with_error(scheduler: Any, req_ids: Iterable[str]) -> None:
     stream with an error event). vLLM finishes requests whose grammar failed to compile this
     way; a request whose device step raised is finished the same way."""
     scheduler.grammar_compile_error_reqs.update(req_ids)
+
+
+def finish_unscheduled_with_error(scheduler: Any, request: Any) -> None:
+    """Take ``request`` in without queueing it, and finish it with ``FINISHED_ERROR`` at the
+    next ``update_from_output`` (as :func:`finish_with_error`): it is never scheduled."""
+    scheduler.requests[request.request_id] = request
+    scheduler.grammar_compile_error_reqs.add(request.request_id)
+
+
+def has_pending_errors(scheduler: Any) -> bool:
+    """Requests wait to be finished with an error (the engine must step to answer them)."""
+    return bool(scheduler.grammar_compile_error_reqs)
+
+
+def parser_actions(parser: Any) -> list[Any]:
+    """The actions of an argparse parser (vLLM's ``FlexibleArgumentParser``)."""
+    return list(parser._actions)
 
 
 def content_part(part: dict[str, Any]) -> tuple[str, Any]:

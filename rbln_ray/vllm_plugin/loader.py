@@ -11,6 +11,7 @@ from typing import Any
 
 from rbln_ray.compile.artifact import CompiledArtifact
 from rbln_ray.compile.encoders import EncoderArtifact
+from rbln_ray.compile.lora import loadable_dir
 from rbln_ray.families.registry import VISION
 
 logger = logging.getLogger(__name__)
@@ -35,4 +36,5 @@ def load_compiled_model(
         cls = optimum.rbln.RBLNAutoModelForCausalLM
     device: int | list[int] = device_ids[0] if len(device_ids) == 1 else list(device_ids)
     logger.info("loading %s on RBLN device(s) %s", artifact.path, device)
-    return cls.from_pretrained(str(artifact.path), export=False, rbln_device=device)
+    path = loadable_dir(artifact.path) if getattr(artifact, "lora", None) else artifact.path
+    return cls.from_pretrained(str(path), export=False, rbln_device=device)

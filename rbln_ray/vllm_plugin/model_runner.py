@@ -49,6 +49,7 @@ from rbln_ray.families.registry import VISION
 from rbln_ray.families.vision_base import PromptEmbedder
 from rbln_ray.upstream import vllm_internals
 from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK, BlockLayout, KVCopy, KVStepPlan
+from rbln_ray.vllm_plugin.lora import LoRARows
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,7 @@ class RBLNModelRunner:
         self.sampler = Sampler(logprobs_mode=model_config.logprobs_mode)
         self._fault_token = envs.get("RBLN_RAY_TEST_STEP_FAULT")  # tests only
         self.requests: dict[str, CachedRequestState] = {}
+        self.lora = LoRARows(artifact)  # each row's compiled LoRA adapter id
         self.stats = StepStats()
         # The rows of the last step prepared (the sampling rank's guess of the next decode
         # step's row order, decode_ahead); replaced, never mutated, so the reader thread may
@@ -205,6 +207,7 @@ class RBLNModelRunner:
     def _update_requests(self, so: SchedulerOutput, batch: InputBatch | None) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.lora.forget(req_id)
             if self.embedder is not None:
                 self.embedder.forget(req_id)
         for new in so.scheduled_new_reqs:
@@ -222,8 +225,10 @@ class RBLNModelRunner:
                 block_ids=tuple(list(ids) for ids in new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 output_token_ids=[],
+                lora_request=new.lora_request,
             )
             self.requests[new.req_id] = state
+            self.lora.admit(new.req_id, new.lora_request)
             if batch is not None:
                 batch.add_request(state)
         cached = so.scheduled_cached_reqs
@@ -418,6 +423,7 @@ class RBLNModelRunner:
         )
         slots = [plan.slots.get(x[1]) if x else plan.scratch_slot for x in live]
         inputs = self._block_inputs(table, slots, prefill=False)
+        inputs.update(self.lora.decode([x[1] if x else None for x in live]))
         if self.artifact.use_attention_mask:
             # optimum's own decoder mask buffer is sized for the full batch; pass ours per call.
             span = torch.arange(self.artifact.max_seq_len)
@@ -496,6 +502,7 @@ class RBLNModelRunner:
         positions = torch.arange(start, end, dtype=torch.int32).unsqueeze(0)
         table = torch.tensor(self._table_row(plan.tables[req_id]), dtype=torch.int16)
         inputs.update(self._block_inputs(table, [plan.slots.get(req_id)], prefill=True))
+        inputs.update(self.lora.prefill(req_id))
         if self.artifact.state_slots:  # the state row this prompt's prefill writes
             inputs["batch_idx"] = plan.slots[req_id]
         if self.embedder is not None:

@@ -29,6 +29,7 @@ from vllm.platforms.cpu import CpuPlatform
 from rbln_ray.compile.artifact import CompiledArtifact, load_artifact
 from rbln_ray.compile.encoders import EncoderArtifact
 from rbln_ray.families.registry import VISION
+from rbln_ray.vllm_plugin import lora, quantization
 from rbln_ray.vllm_plugin.driver_cluster import remember_driver_cluster
 from rbln_ray.vllm_plugin.kv_blocks import BlockLayout
 from rbln_ray.vllm_plugin.options import decide, engine_decisions, engine_options
@@ -62,6 +63,8 @@ def compiled_dir(vllm_config: VllmConfig) -> str:
     if compiled is None:
         model_config = vllm_config.model_config
         settings = engine_options(vllm_config).compile
+        settings = quantization.compile_settings(vllm_config, settings)
+        settings = lora.compile_settings(vllm_config, settings)
         user_len = model_config.original_max_model_len
         if settings.max_seq_len is None and user_len and user_len > 0:
             settings = settings.model_copy(update={"max_seq_len": user_len})
@@ -361,6 +364,15 @@ class RBLNPlatform(CpuPlatform):
         return rebel.get_npu_name(device_id)
 
     @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        """Before vLLM builds its configs: rbln-ray's quantization method (quantized
+        artifacts keep their checkpoint's quantization_config), and on ``vllm serve``'s
+        parser, --lora-modules recorded for the engine (adapters are compiled in)."""
+        quantization.register()
+        if parser is not None:
+            lora.record_cli_modules(parser)
+
+    @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         """Align vLLM with the compiled artifact. Idempotent: vLLM calls it in the driver and
         again in the engine-core process, so everything derives from ``rbln_config.json``."""
@@ -369,11 +381,15 @@ class RBLNPlatform(CpuPlatform):
         if vllm_config.model_config is None:
             return
         engine_options(vllm_config)  # invalid options fail here, in the driver
+        quantization.check_request(vllm_config)  # before anything compiles
+        lora.check_request(vllm_config)
         art = compiled_model(vllm_config)
         if isinstance(art, EncoderArtifact):
             _sync_encoder(vllm_config, art)
         else:
             _sync_decoder(vllm_config, art)
+        quantization.sync(vllm_config, art)
+        lora.sync(vllm_config, art)
         vllm_config.model_config.disable_cascade_attn = True
         vllm_config.compilation_config.mode = CompilationMode.NONE
         vllm_config.compilation_config.cudagraph_capture_sizes = []

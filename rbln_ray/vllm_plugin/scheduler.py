@@ -40,6 +40,7 @@ from vllm.v1.request import Request
 from rbln_ray.upstream import vllm_internals
 from rbln_ray.vllm_plugin.kv_blocks import BlockLayout, KVStepPlan, OuterBlockManager
 from rbln_ray.vllm_plugin.kv_slots import SlotManager
+from rbln_ray.vllm_plugin.lora import LoRAGate, refuse_unknown
 from rbln_ray.vllm_plugin.options import engine_options
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class _RBLNScheduling:
         sched = self.scheduler_config
         self.step_tokens = sched.long_prefill_token_threshold or sched.max_num_batched_tokens
         self.options = engine_options(self.vllm_config)
+        self.lora_gate = LoRAGate.for_artifact(artifact) if artifact.lora is not None else None
         self.outer_blocks = OuterBlockManager(self.layout, self._evict_hashes)
         # Sliding-window layers, per-sequence state rows: one pinned cache slot per running
         # request (kv_slots).
@@ -147,6 +149,15 @@ class _RBLNScheduling:
             self._prefill_stalled = False
         plan = self._plan(output, kind if scheduled else "idle")
         return RBLNSchedulerOutput.wrap(output, plan)
+
+    def add_request(self, request: Request) -> None:
+        """vLLM's, except a request naming a LoRA adapter that is not compiled in: finished
+        with an error, never scheduled (vllm_plugin/lora.py)."""
+        if not refuse_unknown(self, self.lora_gate, request):
+            super().add_request(request)
+
+    def has_requests(self) -> bool:
+        return super().has_requests() or vllm_internals.has_pending_errors(self)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any):
         """vLLM's, plus the requests of a step whose device call raised (the Ray executor's

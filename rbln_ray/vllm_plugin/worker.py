@@ -24,6 +24,7 @@ from rbln_ray.compile.artifact import CompiledArtifact
 from rbln_ray.emulator import is_emulated
 from rbln_ray.vllm_plugin.device_metrics import DeviceMetrics
 from rbln_ray.vllm_plugin.loader import load_compiled_model
+from rbln_ray.vllm_plugin.lora import CompiledLoRAWorker
 from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner
 from rbln_ray.vllm_plugin.platform import block_layout, compiled_artifact
 from rbln_ray.vllm_plugin.step_loop import Ahead, Deferred, StepLoop
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 KV_LAYER = "rbln.kv"  # one nominal layer: vLLM only needs the block count and size
 
 
-class RBLNWorker(WorkerBase):
+class RBLNWorker(CompiledLoRAWorker, WorkerBase):
     """Loads the compiled model on this process's RBLN devices and runs scheduler steps."""
 
     artifact: CompiledArtifact

@@ -3,9 +3,9 @@
 Tests run vLLM in a subprocess: vLLM resolves its platform once per process, and engines are
 heavy. Input (argv[1], JSON): ``{"model": dir, "llm_kwargs": {...}, "requests": [{"prompt":
 str | "prompt_token_ids": [...], "params": {SamplingParams fields; structured_outputs as a
-dict}, "images": [tests.vision.image_spec, ...], "videos": [tests.vision.video_spec, ...]}],
-"passes": N (default 1: run the requests N times, one ``generate`` call each), "rpc":
-[method, ...]}``.
+dict}, "images": [tests.vision.image_spec, ...], "videos": [tests.vision.video_spec, ...],
+"lora": {"name", "id", "path"} (a LoRARequest)}], "passes": N (default 1: run the requests N
+times, one ``generate`` call each), "rpc": [method, ...]}``.
 Output: one line ``RESULT {...}`` with per-request outputs (of the last pass; every pass in
 ``passes``), the prompts' token ids as vLLM processed them, and the collective_rpc results.
 
@@ -40,10 +40,13 @@ def start(spec: dict):
 
 def run(llm, spec: dict) -> dict:
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.sampling_params import StructuredOutputsParams
 
-    prompts, params = [], []
+    prompts, params, loras = [], [], []
     for req in spec["requests"]:
+        lora = req.get("lora")  # {"name", "id", "path"}: a LoRARequest
+        loras.append(LoRARequest(lora["name"], lora["id"], lora["path"]) if lora else None)
         if "prompt" in req:
             prompt = {"prompt": req["prompt"]}
         else:
@@ -65,7 +68,8 @@ def run(llm, spec: dict) -> dict:
         params.append(SamplingParams(**kw))
     passes = []
     for _ in range(spec.get("passes", 1)):
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        lora_request = loras if any(loras) else None
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
         passes.append(
             [
                 [
@@ -83,6 +87,7 @@ def run(llm, spec: dict) -> dict:
     result = {
         "outputs": passes[-1],
         "prompt_token_ids": [list(o.prompt_token_ids or []) for o in outputs],
+        "request_ids": [o.request_id for o in outputs],
         "passes": passes,
         "rpc": {m: llm.collective_rpc(m) for m in spec.get("rpc", [])},
         "config": {
@@ -93,6 +98,7 @@ def run(llm, spec: dict) -> dict:
             "enable_prefix_caching": (
                 llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
             ),
+            "kv_cache_dtype": llm.llm_engine.vllm_config.cache_config.cache_dtype,
         },
     }
     return result

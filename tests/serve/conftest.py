@@ -13,6 +13,12 @@ from tests.helpers import free_port
 from tests.ray_metrics import FAST_EXPORT
 
 API_KEY = "test-secret"
+# The LoRA adapters of the app's Qwen2 (build_tiny_adapter's arguments): different ranks,
+# disjoint targets
+LORA_ADAPTERS = {
+    "qwen-a": {"r": 4, "alpha": 8, "targets": ("q_proj", "v_proj"), "seed": 1},
+    "qwen-b": {"r": 8, "alpha": 16, "targets": ("o_proj", "gate_proj", "down_proj"), "seed": 2},
+}
 
 
 @dataclass
@@ -70,16 +76,19 @@ def stop_app() -> None:
 @pytest.fixture(scope="module")
 def demo_app() -> Iterator[RunningApp]:
     """The demo model (compiled, batch 4) with 2 replicas, and beside it (one device each) a
-    tiny Qwen2, a tiny BERT embedding model and two tiny vision-language models, a LLaVA and a
-    Qwen2-VL; an API key."""
+    tiny Qwen2 with two LoRA adapters compiled in (``LORA_ADAPTERS``), a tiny BERT embedding
+    model and two tiny vision-language models, a LLaVA and a Qwen2-VL; an API key."""
     from rbln_ray.cli.serve_cmd import DEMO_COMPILE
     from rbln_ray.compile import CompileSettings, resolve_compiled_dir
-    from rbln_ray.models import build_tiny_encoder, build_tiny_vlm, demo_model_dir
+    from rbln_ray.models import build_tiny_encoder, build_tiny_model, build_tiny_vlm, demo_model_dir
+    from rbln_ray.models.adapters import build_tiny_adapter
     from tests.helpers import compiled_encoder, compiled_model
     from tests.vision import compiled_vlm
 
     hf_dir = demo_model_dir()
     compiled = resolve_compiled_dir(hf_dir, CompileSettings.from_dict(DEMO_COMPILE))
+    qwen_hf = build_tiny_model(family="qwen2")
+    adapters = {name: str(build_tiny_adapter(qwen_hf, **kw)) for name, kw in LORA_ADAPTERS.items()}
     config = {
         "api_key": API_KEY,
         # a request may resize Qwen2-VL's images (test_an_image_beyond_the_compiled_tower...)
@@ -87,7 +96,12 @@ def demo_app() -> Iterator[RunningApp]:
         "models": [
             # stored Responses API responses: calls about one go to its replica
             {"name": "demo", "model": str(compiled), "num_replicas": 2, "responses_store": True},
-            {"name": "qwen", "model": str(compiled_model("qwen2")), "num_replicas": 1},
+            # served with its adapters (each a model of /v1/models), taken from the artifact
+            {
+                "name": "qwen",
+                "model": str(compiled_model("qwen2", lora_modules=adapters)),
+                "num_replicas": 1,
+            },
             {"name": "embed", "model": str(compiled_encoder()), "num_replicas": 1},
             {"name": "vision", "model": str(compiled_vlm()), "num_replicas": 1},
             {"name": "qwen-vl", "model": str(compiled_vlm("qwen2_vl")), "num_replicas": 1},

@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import hf_greedy, run_python
-from tests.serve.conftest import API_KEY, RunningApp
+from tests.helpers import hf_greedy, hf_greedy_merged, run_python
+from tests.serve.conftest import API_KEY, LORA_ADAPTERS, RunningApp
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def test_openai_client_greedy_matches_transformers(demo_app: RunningApp) -> None
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat_expected
 
     models = sorted(m.id for m in client.models.list().data)
-    assert models == ["demo", "embed", "qwen", "qwen-vl", "vision"]
+    assert models == ["demo", "embed", "qwen", "qwen-a", "qwen-b", "qwen-vl", "vision"]
 
 
 def test_requests_are_routed_by_model_field(demo_app: RunningApp) -> None:
@@ -67,6 +67,45 @@ def test_requests_are_routed_by_model_field(demo_app: RunningApp) -> None:
     expected = tok.decode(hf_greedy(qwen_dir, [prompt], 8)[0]).rstrip("\ufffd")
     assert r.json()["model"] == "qwen"
     assert r.json()["choices"][0]["text"] == expected
+
+
+def test_lora_adapters_are_models_chosen_per_request_by_name(demo_app: RunningApp) -> None:
+    """Issue 33, acceptance 1 through Serve: the Qwen2's two compiled-in adapters are models
+    of /v1/models (parent: the base); concurrent requests for the base and both adapters (one
+    engine, batched together) each equal transformers with that adapter merged into the
+    weights; an adapter that is not served is a 404 naming it."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from rbln_ray.models import build_tiny_model
+    from rbln_ray.models.adapters import build_tiny_adapter
+
+    client = openai.OpenAI(base_url=f"{demo_app.url}/v1", api_key=API_KEY, max_retries=0)
+    cards = {m.id: m for m in client.models.list().data}
+    assert all(cards[name].parent == "qwen" for name in LORA_ADAPTERS)
+    qwen_dir = build_tiny_model(family="qwen2")
+    tok = AutoTokenizer.from_pretrained(qwen_dir)
+    adapters = {"qwen": None} | {
+        name: build_tiny_adapter(qwen_dir, **kw) for name, kw in LORA_ADAPTERS.items()
+    }
+    prompts = [[100, 200, 300, 400], [7, 8, 9, 10, 11, 12, 13]]
+    cases = [(model, prompt) for prompt in prompts for model in adapters]
+
+    def complete(case):
+        model, prompt = case
+        return client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(complete, cases))
+    texts = {}
+    for (model, prompt), answer in zip(cases, answers, strict=True):
+        expected = hf_greedy_merged(qwen_dir, adapters[model], [prompt], 8)[0]
+        assert answer.model == model
+        assert answer.choices[0].text == tok.decode(expected).rstrip("\ufffd"), model
+        texts.setdefault(tuple(prompt), set()).add(answer.choices[0].text)
+    assert all(len(seen) == len(adapters) for seen in texts.values())  # adapters matter
+    with pytest.raises(openai.NotFoundError, match="qwen-zzz"):
+        client.completions.create(model="qwen-zzz", prompt="x", max_tokens=2)
 
 
 def test_32_concurrent_requests_use_both_replicas_on_distinct_devices(

@@ -94,3 +94,86 @@ def test_moe_presets_count_only_active_experts_in_flops(capsys) -> None:
     assert "mixtral-8x7b" in capsys.readouterr().out
     for name in ("gemma-2-9b", "phi-2", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "gpt-oss-20b"):
         assert plan(preset(name), Workload(512, 128, rate=1)).model["name"] == name
+
+
+def test_quantized_footprints_fit_llama3_8b_on_one_atom(capsys) -> None:
+    """FP16 Llama-3-8B (15 GiB) leaves one ATOM no room for a batch of 4; int8 or fp8
+    projections (half their bytes, plus fp32 scales) do, and fp8 KV doubles the batch that
+    fits beside them."""
+    from dataclasses import replace
+
+    shape = preset("llama-3-8b")
+    int8 = replace(shape, linear_weight_bytes=1.0)
+    fp8kv = replace(int8, kv_bytes=1)
+    projections = sum(i * o for i, o in shape.projection_dims().values()) * shape.num_layers
+    saved = shape.weight_bytes_total - int8.weight_bytes_total
+    scales = 4 * shape.num_layers * sum(o for _, o in shape.projection_dims().values())
+    assert saved == projections - scales
+    assert fp8kv.kv_bytes_per_token * 2 == shape.kv_bytes_per_token
+    work = Workload(1024, 256, rate=1)
+
+    def best_single_device_batch(s) -> int:
+        fits = [o.batch for o in plan(s, work).options if o.devices_per_worker == 1 and o.fits]
+        return max(fits, default=0)
+
+    assert best_single_device_batch(shape) < 4
+    assert best_single_device_batch(int8) >= 8
+    assert best_single_device_batch(fp8kv) >= 2 * best_single_device_batch(int8) - 1
+    # decode is bandwidth-bound at small batch: fewer weight bytes, a shorter step
+    from rbln_ray.npu.cost_model import decode_cost
+
+    assert decode_cost(int8, 1, 512).seconds < 0.62 * decode_cost(shape, 1, 512).seconds
+    rc = plan_main(
+        ["--model", "llama-3-8b", "--weights", "int8", "--kv-cache-dtype", "fp8"]
+        + ["--input-len", "1024", "--output-len", "256", "--rate", "1", "--json"]
+    )
+    assert rc == 0
+    options = json.loads(capsys.readouterr().out)["options"]
+    assert max(o["batch"] for o in options if o["devices_per_worker"] == 1 and o["fits"]) >= 16
+
+
+def test_artifact_options_and_lora_in_the_cost_model(tmp_path) -> None:
+    from rbln_ray.npu.cost_model import Row, call_cost
+    from rbln_ray.planning import compiled_shape
+
+    shape = preset("llama-3-8b")
+    raw = {
+        "quantization": {"weights": "fp8", "kv_caches": "fp8"},
+        "lora_config": {
+            "adapters": [
+                {"r": 8, "target_modules": ["q_proj", "v_proj"]},
+                {"r": 16, "target_modules": ["o_proj"]},
+            ],
+            "max_lora_rank": 16,
+        },
+    }
+    (tmp_path / "rbln_config.json").write_text(json.dumps(raw))
+    compiled = compiled_shape(shape, str(tmp_path))
+    assert compiled.linear_weight_bytes == 1.0 and compiled.kv_bytes == 1
+    assert (compiled.lora_adapters, compiled.lora_rank) == (2, 16)
+    assert compiled.lora_modules == ("o_proj", "q_proj", "v_proj")
+    lora_only = replace_lora(shape, compiled)
+    # 3 stacked adapters (base zeros included) x rank 16 x (in + out) of q, v, o, FP16
+    dims = shape.projection_dims()
+    per_layer = 3 * 16 * sum(sum(dims[m]) for m in ("q_proj", "v_proj", "o_proj")) * 2
+    assert lora_only.weight_bytes_total - shape.weight_bytes_total == per_layer * 32
+    rows = [Row(1, 100)] * 4
+    assert call_cost(lora_only, rows, 4).flops > call_cost(shape, rows, 4).flops
+    # an HF dir's pre-quantized quantization_config counts too
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    qc = {"quant_method": "rbln", "weights": "int8", "kv_caches": "fp16"}
+    (hf / "config.json").write_text(json.dumps({"quantization_config": qc}))
+    assert compiled_shape(shape, str(hf)).linear_weight_bytes == 1.0
+    assert compiled_shape(shape, "llama-3-8b") == shape
+
+
+def replace_lora(shape, source):
+    from dataclasses import replace
+
+    return replace(
+        shape,
+        lora_adapters=source.lora_adapters,
+        lora_rank=source.lora_rank,
+        lora_modules=source.lora_modules,
+    )

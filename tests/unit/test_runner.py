@@ -29,12 +29,21 @@ def next_token(context: list[int]) -> int:
     return 10 + h % (VOCAB - 10)
 
 
-def reference(prompt: list[int], max_tokens: int) -> list[int]:
+def reference(prompt: list[int], max_tokens: int, adapter: int = 0) -> list[int]:
     seq, out = list(prompt), []
     for _ in range(max_tokens):
-        out.append(next_token(seq))
+        out.append(adapted(next_token(seq), adapter))
         seq.append(out[-1])
     return out
+
+
+def adapted(token: int, adapter: int) -> int:
+    """The fake model's LoRA adapters: adapter ``k`` > 0 shifts the prediction (0: base)."""
+    return token if not adapter else 10 + (token * 7 + adapter) % (VOCAB - 10)
+
+
+def adapters_shape(input_ids: torch.Tensor) -> tuple[int]:
+    return (input_ids.shape[0],)
 
 
 class Prefill:
@@ -72,9 +81,16 @@ class KVCacheLM:
         local_block_tables=None,
         attention_mask=None,
         position_ids=None,
+        lora_int_ids=None,
     ):
         # A static-cache model: no sliding-window slots, positions are the cache positions.
         assert local_block_tables is None and position_ids is None
+        adapters = [0] * input_ids.shape[0]
+        if lora_int_ids is not None:  # one compiled adapter id per row, as optimum takes them
+            assert lora_int_ids.dtype == torch.int32 and lora_int_ids.shape == adapters_shape(
+                input_ids
+            )
+            adapters = lora_int_ids.tolist()
         tables = block_tables.view(input_ids.shape[0], -1).tolist()
         logits = torch.zeros(input_ids.shape[0], input_ids.shape[1], VOCAB)
         for row, (ids, positions, table) in enumerate(
@@ -87,7 +103,7 @@ class KVCacheLM:
                 self.kv[slots[position]] = token
             context = [int(self.kv[slot]) for slot in slots]
             if -1 not in context:  # else unwritten KV was read: zero logits, a wrong token
-                logits[row, -1, next_token(context)] = 1.0
+                logits[row, -1, adapted(next_token(context), adapters[row])] = 1.0
         return SimpleNamespace(logits=logits)
 
     def _copy_kv_cache(self, src: int, dst: int, length: int) -> None:
@@ -111,6 +127,7 @@ class Engine(Harness):
         )
         self.runner = RBLNModelRunner(self.config, art, self.model, block_layout(art))
         self.outputs: dict[str, list[int]] = {}
+        self.finished: dict[str, object] = {}  # request id -> vLLM's finish reason
 
     def drive(self, limit: int = 2000) -> dict[str, list[int]]:
         in_flight = None
@@ -135,7 +152,10 @@ class Engine(Harness):
     def _apply(self, so, result) -> None:
         for req_id, tokens in zip(result.req_ids, result.sampled_token_ids, strict=True):
             self.outputs.setdefault(req_id, []).extend(tokens)
-        self.scheduler.update_from_output(so, result)
+        for client in self.scheduler.update_from_output(so, result).values():
+            for out in client.outputs:
+                if out.finish_reason is not None:
+                    self.finished[out.request_id] = out.finish_reason
 
 
 class AheadEngine(Engine):
@@ -264,3 +284,58 @@ def test_the_engines_custom_logits_processors_run(tmp_path: Path, async_scheduli
     outputs = engine.drive()
     assert outputs["scripted"] == script + reference([5, 6, *script], 4)
     assert outputs["free"] == reference([5, 6], 9)
+
+
+def test_lora_rows_reach_the_graphs_by_adapter_name(tmp_path: Path) -> None:
+    """Each row's compiled adapter id, chosen by the request's adapter *name* (vLLM's ids
+    differ), reaches prefill and every decode call in the device's row order (length-sorted
+    here) with 0 for base and padding rows; a request naming an adapter that is not compiled
+    in finishes with an error while the others run on; max_loras is raised to the adapters."""
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.engine import FinishReason
+
+    lora_config = {
+        "adapters": [
+            {
+                "lora_int_id": 1,
+                "lora_name": "a",
+                "lora_path": "/x/a",
+                "r": 4,
+                "target_modules": ["q_proj"],
+            },
+            {
+                "lora_int_id": 2,
+                "lora_name": "b",
+                "lora_path": "/x/b",
+                "r": 8,
+                "target_modules": ["o_proj"],
+            },
+        ],
+        "max_lora_rank": 8,
+    }
+    art = write_artifact(tmp_path, lora_config=lora_config, _requires_batch_sort=True)
+    engine = AheadEngine(art, enable_lora=True, max_loras=1, max_lora_rank=8, async_scheduling=True)
+    assert engine.config.lora_config.max_loras == 2
+    names = {"one": None, "short": "a", "chunk": "b", "long": "a", "mid": "b", "x": "zzz"}
+    for req_id, name in names.items():
+        prompt = PROMPTS.get(req_id, [1, 2, 3])
+        lora = LoRARequest(name, 40 + len(req_id), f"/nowhere/{name}") if name else None
+        request = make_request(engine, req_id, prompt, LENGTHS.get(req_id, 5), lora)
+        engine.scheduler.add_request(request)
+    outputs = engine.drive()
+    ids = {None: 0, "a": 1, "b": 2}
+    for req_id, prompt in PROMPTS.items():
+        expected = reference(prompt, LENGTHS[req_id], ids[names[req_id]])
+        assert outputs[req_id] == expected, req_id
+    assert "x" not in outputs and engine.finished["x"] == FinishReason.ERROR
+    assert engine.runner.stats.decode_rows > engine.runner.stats.decode_steps
+
+
+def make_request(engine, req_id, prompt, max_tokens, lora_request):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+    return Request(
+        req_id, prompt, params, None, lora_request=lora_request, block_hasher=engine.hasher
+    )

@@ -101,3 +101,43 @@ def test_calls_about_a_stored_response_are_pinned_to_its_replica() -> None:
     ranked = asyncio.run(object.__new__(PrefixAffinityRouter).choose_replicas(
         replicas, pending(HTTPCall("POST", "/", prefix="system prompt"))))  # fmt: skip
     assert [r[0].replica_id.unique_id for r in ranked] == rank("system prompt", ["a", "b", "c"])
+
+
+def test_lora_adapters_become_served_models_of_their_base(tmp_path) -> None:
+    """A deployment serves the adapters compiled into its artifact (their copies inside it) or
+    given in compile.lora_modules: its replicas start vLLM as --enable-lora --lora-modules
+    would, the ingress routes each adapter's name to the base's deployment, and a name served
+    twice is refused."""
+    from rbln_ray.serve.config import ModelDeploymentConfig
+    from rbln_ray.serve.lora_models import adapter_bases, lora_engine_args, served_adapters
+    from rbln_ray.serve.vllm_args import serve_namespace
+    from tests.unit.engine_harness import write_artifact
+
+    adapters = [
+        {"lora_int_id": i, "lora_name": n, "lora_path": f"/x/{n}", "r": 4}
+        for i, n in ((1, "a"), (2, "b"))
+    ]
+    art = write_artifact(tmp_path, lora_config={"adapters": adapters, "max_lora_rank": 4})
+    base = ModelDeploymentConfig(name="base", model=str(art))
+    own = {n: str(art.resolve() / "lora_adapters" / n) for n in ("a", "b")}
+    assert served_adapters(base, str(art)) == own
+    args = lora_engine_args(base, str(art))
+    assert args["enable_lora"] is True
+    assert args["lora_modules"] == [
+        {"name": n, "path": own[n], "base_model_name": "base"} for n in ("a", "b")
+    ]
+    parsed = serve_namespace(str(art), "base", args)  # as vllm serve parses --lora-modules
+    assert parsed.enable_lora
+    assert [(m.name, m.path, m.base_model_name) for m in parsed.lora_modules] == [
+        ("a", own["a"], "base"),
+        ("b", own["b"], "base"),
+    ]
+    off = base.model_copy(update={"engine_kwargs": {"enable_lora": False}})
+    assert lora_engine_args(off, str(art)) == {}
+    plain = write_artifact(tmp_path / "plain")
+    other = ModelDeploymentConfig(name="other", model=str(plain))
+    assert lora_engine_args(other, str(plain)) == {}
+    assert adapter_bases([base, other]) == {"a": "base", "b": "base"}
+    clash = ModelDeploymentConfig(name="a", model=str(plain))
+    with pytest.raises(ValueError, match="'a' of model 'base' has the name of another"):
+        adapter_bases([base, clash])
