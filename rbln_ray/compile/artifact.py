@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rbln_ray.common.artifact_files import PIPELINE_MANIFEST, RBLN_CONFIG
 from rbln_ray.compile.encoders import EncoderArtifact
+from rbln_ray.compile.spec_graphs import VerifyGraph, read_manifest
 from rbln_ray.families.registry import (
     DecoderFamily,
     encoder_for_dir,
@@ -62,6 +63,8 @@ class CompiledArtifact:
     # graphs.
     vision_family: str = ""
     dtype: str = "float32"  # what the compiled graphs compute in (optimum's rbln_config dtype)
+    # Speculative decoding's verify graphs (rbln_ray.compile.spec_graphs), if compiled.
+    verify_graphs: tuple[VerifyGraph, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.max_num_seqs:
@@ -82,6 +85,17 @@ class CompiledArtifact:
     def is_multimodal(self) -> bool:
         """Prompts may carry images (a compiled vision-language model)."""
         return bool(self.vision_family)
+
+    @property
+    def spec_tokens(self) -> int:
+        """Draft tokens one verify call scores per sequence at every compiled decode batch
+        (0: no verify graphs)."""
+        widths = {}
+        for g in self.verify_graphs:
+            widths[g.batch] = max(widths.get(g.batch, 0), g.width)
+        if not widths or set(widths) != set(self.decoder_batch_sizes):
+            return 0
+        return min(widths.values()) - 1
 
     @property
     def blocks_per_seq(self) -> int:
@@ -140,6 +154,7 @@ class CompiledArtifact:
             prefill_resumable=_prefill_resumable(raw.get("cls_name", "")),
             vision_family=vision.name if vision is not None else "",
             dtype=raw.get("dtype") or "float32",
+            verify_graphs=read_manifest(path),
         )
 
 

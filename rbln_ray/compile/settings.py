@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 # max_seq_len when neither the user nor the artifact says: the model's context, capped here
 DEFAULT_MAX_SEQ_LEN_CAP = 4096
+# Settings rbln-ray compiles itself (graphs beside optimum's), never passed to optimum.
+OWN_SETTINGS = ("spec_tokens",)
 
 
 class CompileSettingsError(ValueError):
@@ -55,6 +57,14 @@ class CompileSettings(BaseModel):
         ge=1,
         description="compiled KV blocks (default: optimum's; blocks beyond batch x "
         "sequences keep more prefixes cached)",
+    )
+
+    spec_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=32,
+        description="speculative decoding: also compile verify graphs that score this many "
+        "draft tokens (+1) per sequence in one decode call, for every decode batch",
     )
 
     @field_validator("decoder_batch_sizes", mode="before")
@@ -98,7 +108,7 @@ class CompileSettings(BaseModel):
         a setting left at None is left out, so optimum's default applies."""
         if self.max_seq_len is None:
             raise CompileSettingsError("max_seq_len is not set (see with_max_seq_len)")
-        values = {**self.model_dump(), **extra}
+        values = {**self.model_dump(exclude=set(OWN_SETTINGS)), **extra}
         if values.get("decoder_batch_sizes") is not None:
             values["decoder_batch_sizes"] = list(values["decoder_batch_sizes"])
         return {k: v for k, v in values.items() if v is not None}
