@@ -122,6 +122,21 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement(f"{INPUT_BATCH}.is_token_ids", f"{RUNNER_PY} (record)", "instance attribute"),
     Requirement(f"{INPUT_BATCH}.num_tokens_no_spec", f"{RUNNER_PY} (record)", "instance attribute"),
     Requirement(f"{INPUT_BATCH}.req_id_to_index", f"{RUNNER_PY} (record)", "instance attribute"),
+    Requirement(
+        f"{INPUT_BATCH}.update_req_spec_token_ids",
+        f"{RUNNER_PY} (set_spec_tokens)",
+        params=("request", "scheduled_spec_tokens"),
+    ),
+    Requirement(
+        "vllm.v1.spec_decode.ngram_proposer:NgramProposer.propose",
+        "rbln_ray/vllm_plugin/spec/proposers.py (ngram_propose)",
+        params=(
+            "num_speculative_tokens",
+            "sampled_token_ids",
+            "num_tokens_no_spec",
+            "token_ids_cpu",
+        ),
+    ),
     # speculative decoding: the scheduler's per-step number of drafts (dynamic SD's hook,
     # which AsyncScheduler sizes its placeholders from) and the rejection sampler's kernels
     Requirement(
@@ -264,3 +279,15 @@ def install_rejection_kernels(kernels: dict[str, Any]) -> None:
         dispatcher.kernel = _TorchKernel(func)
         # the parameter names are cached per dispatcher; read them from the new kernel
         vars(dispatcher).pop("_kernel_arg_names", None)
+
+
+def set_spec_tokens(batch: Any, state: Any, drafts: list[int]) -> None:
+    """Give a request's row of vLLM's ``InputBatch`` this step's drafts (empty: none), where
+    the rejection sampler's penalties and bad-words checks read them."""
+    batch.update_req_spec_token_ids(state, {state.req_id: drafts} if drafts else {})
+
+
+def ngram_propose(proposer: Any, k: int, sampled: list[list[int]], batch: Any) -> list[list[int]]:
+    """vLLM's ``NgramProposer`` over the input batch's token record (rows in batch order;
+    a row without a new token gets no drafts)."""
+    return proposer.propose(k, sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)
