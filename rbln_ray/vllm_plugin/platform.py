@@ -300,9 +300,13 @@ def _sync_speculative(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
         _sync_draft_model(vllm_config, art)
     sched = vllm_config.scheduler_config
     slots = spec.max_num_new_slots_for_drafting
-    # a decode step schedules 1 + k tokens per row (vLLM truncates drafts past this budget)
+    # A decode step schedules 1 + k tokens per row (vLLM truncates drafts past the budget);
+    # vLLM also keeps `slots` tokens of the budget per request for drafting, which must not
+    # cut a prefill chunk short (the compiled prefill resumes only at whole chunks).
     sched.max_num_batched_tokens = max(
-        sched.max_num_batched_tokens, sched.max_num_seqs * (1 + k + slots)
+        sched.max_num_batched_tokens,
+        art.prefill_chunk_size + slots,
+        sched.max_num_seqs * (1 + k + slots),
     )
     sched.max_num_scheduled_tokens = None
     if sched.async_scheduling:

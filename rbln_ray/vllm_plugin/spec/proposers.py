@@ -29,18 +29,41 @@ from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK
 
 
 class NgramDrafter:
-    """vLLM's prompt-lookup proposer over the input batch (rows in batch order)."""
+    """vLLM's prompt-lookup proposer over the input batch (rows in batch order).
+
+    vLLM's proposer is a numba ``parallel`` kernel run on one thread. Numba's default
+    OpenMP threading layer shares the process's OpenMP runtime with torch and sets its
+    thread count when it starts: the emulated device's torch calls then ran on every core of
+    the host (measured: each device call 5-20x slower on 2 busy cores). So numba gets its own
+    thread pool (``workqueue``) where it can still choose, torch's thread count is restored
+    after every proposal, and the kernel is compiled at load time with a real proposal
+    (vLLM's own warm-up proposes nothing, so the first request paid seconds of JIT)."""
 
     method = "ngram"
 
     def __init__(self, vllm_config: Any) -> None:
+        import numba
+        import numpy as np
+
+        if numba.config.THREADING_LAYER == "default":
+            numba.config.THREADING_LAYER = "workqueue"
         from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 
+        threads = torch.get_num_threads()
         self.proposer = NgramProposer(vllm_config)
+        k = vllm_config.speculative_config.num_speculative_tokens
+        tokens = np.tile(np.arange(8, dtype=np.int32), (1, 8))
+        self.proposer.propose(k, [[1]], np.array([64], dtype=np.int32), tokens)
+        torch.set_num_threads(threads)
 
     def propose_step(self, runner: Any, so: Any, req_ids, sampled, k: int) -> list[list[int]]:
         """Drafts for the rows of the runner's input batch that sampled now (batch order)."""
-        return vllm_internals.ngram_propose(self.proposer, k, sampled, runner.input_batch)
+        threads = torch.get_num_threads()
+        try:
+            return vllm_internals.ngram_propose(self.proposer, k, sampled, runner.input_batch)
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
 
 
 @dataclass
