@@ -84,8 +84,12 @@ class SpecEngine(Engine):
 
     def __init__(self, artifact: Path, policy: str = "always", **engine) -> None:
         engine.setdefault("speculative_config", {"method": "ngram", "num_speculative_tokens": K})
-        engine.setdefault("additional_config", {"rbln_spec_policy": policy})
+        asynchronous = engine.pop("async_scheduling", False)
+        engine.setdefault(
+            "additional_config", {"rbln_spec_policy": policy, "rbln_spec_async": asynchronous}
+        )
         super().__init__(artifact, **engine)
+        assert self.config.scheduler_config.async_scheduling is asynchronous
         from rbln_ray.compile.artifact import CompiledArtifact
         from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner, Speculator
         from rbln_ray.vllm_plugin.platform import block_layout
@@ -111,7 +115,9 @@ class SpecEngine(Engine):
             for out in outputs.outputs:
                 self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
         drafts = self.runner.take_draft_token_ids()
-        if drafts is not None:
+        if drafts is not None and not self.config.scheduler_config.async_scheduling:
+            # vLLM's synchronous post-step; with async scheduling the worker keeps its
+            # drafts and fills the placeholders vLLM schedules
             self.scheduler.update_draft_token_ids(drafts)
 
 
@@ -122,8 +128,11 @@ def artifact(request, tmp_path: Path) -> Path:
     return write_artifact(tmp_path, spec_tokens=K, **request.param)
 
 
-def test_mixed_batch_with_partial_acceptance_matches_the_reference(artifact: Path) -> None:
-    engine = SpecEngine(artifact, async_scheduling=False)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_mixed_batch_with_partial_acceptance_matches_the_reference(
+    artifact: Path, async_scheduling: bool
+) -> None:
+    engine = SpecEngine(artifact, async_scheduling=async_scheduling)
     for req_id, prompt in PROMPTS.items():
         engine.add(req_id, prompt, LENGTHS[req_id] + 10)
     outputs = engine.drive()
@@ -138,8 +147,11 @@ def test_mixed_batch_with_partial_acceptance_matches_the_reference(artifact: Pat
     assert "verify" in engine.kinds and engine.scheduler.spec_policy.observed > 0
 
 
-def test_windows_near_the_compiled_length_are_front_padded(artifact: Path) -> None:
-    engine = SpecEngine(artifact, async_scheduling=False)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_windows_near_the_compiled_length_are_front_padded(
+    artifact: Path, async_scheduling: bool
+) -> None:
+    engine = SpecEngine(artifact, async_scheduling=async_scheduling)
     prompt = list(range(10, 10 + MAX_LEN - 8))
     engine.add("edge", prompt, max_tokens=8)  # ends exactly at the compiled max_seq_len
     engine.add("short", [5, 6, 7], max_tokens=20)
@@ -163,12 +175,15 @@ def test_prefix_hits_stay_exact_with_speculation(artifact: Path) -> None:
     assert outputs["b"] == reference(shared + [2, 3], 12)
 
 
-def test_auto_policy_decodes_when_drafts_are_rejected(artifact: Path) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_auto_policy_decodes_when_drafts_are_rejected(
+    artifact: Path, async_scheduling: bool
+) -> None:
     """Drafts that are never right: once their acceptance is measured the policy stops
     verifying and decodes (setting the drafts aside as shadows, which keep being measured),
     and outputs stay exact. Costs injected: a verify call costs what a decode call does (an
     ATOM at small batch), so any acceptance above ~5% would pay."""
-    engine = SpecEngine(artifact, policy="auto", async_scheduling=False)
+    engine = SpecEngine(artifact, policy="auto", async_scheduling=async_scheduling)
     policy = engine.scheduler.spec_policy
     policy.prior = lambda kind, batch, context, width: 1.0
     policy.observe_step = lambda info: None
