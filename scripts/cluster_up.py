@@ -43,7 +43,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from rbln_ray.common.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SERVE_CONFIG = ROOT / "cluster_configs" / "serve_config.yaml"
@@ -74,12 +75,6 @@ class Interrupted(Exception):
 
 def _on_signal(signum: int, _frame: Any) -> None:
     raise Interrupted(signal.Signals(signum).name)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- processes
@@ -438,6 +433,11 @@ def main(argv: list[str] | None = None) -> int:
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
         TOKENIZERS_PARALLELISM="false",
     )
+    # every node's Serve proxy caps request bodies (rbln_ray/serve/proxy_guard.py)
+    from rbln_ray.serve.config import RequestLimits
+    from rbln_ray.serve.proxy_guard import proxy_env
+
+    env.update(proxy_env(RequestLimits().max_request_bytes))
     result: dict[str, Any] = {"ok": False}
     started = time.monotonic()
     try:

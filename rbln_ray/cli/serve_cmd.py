@@ -33,7 +33,9 @@ def prepare_models(config: AppConfig) -> AppConfig:
     return config.model_copy(update={"models": models})
 
 
-def start_ray(address: str | None, emulated: bool, metrics_port: int) -> None:
+def start_ray(
+    address: str | None, emulated: bool, metrics_port: int, max_request_bytes: int
+) -> None:
     """Join ``address`` (or ``RAY_ADDRESS``), else start a local instance with the devices,
     closed to the network (:mod:`rbln_ray.serve.local_ray`), exporting its metrics for
     Prometheus on ``127.0.0.1:metrics_port``."""
@@ -41,12 +43,15 @@ def start_ray(address: str | None, emulated: bool, metrics_port: int) -> None:
 
     from rbln_ray.emulator.devices import physical_count
     from rbln_ray.serve.local_ray import record_embedded, start_loopback_ray
+    from rbln_ray.serve.proxy_guard import proxy_env
 
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
         return
     resources = {"RBLN": physical_count()} if emulated else None
+    # Serve's proxies (started by this instance) cap request bodies themselves
+    os.environ.update(proxy_env(max_request_bytes))
     # Bundle CPUs are accounting, not cores: give the local instance room for the replicas.
     start_loopback_ray(
         num_cpus=max(8, os.cpu_count() or 1), resources=resources, metrics_port=metrics_port
@@ -96,7 +101,12 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key or args.api_key_file:  # the command line's source replaces the config's
         overrides.update(api_key=args.api_key, api_key_env=None, api_key_file=args.api_key_file)
     config = prepare_models(config.model_copy(update=overrides))
-    start_ray(args.address, emulated=runtime == "emulated", metrics_port=args.metrics_port)
+    start_ray(
+        args.address,
+        emulated=runtime == "emulated",
+        metrics_port=args.metrics_port,
+        max_request_bytes=config.limits.max_request_bytes,
+    )
     serve.start(http_options={"host": config.host, "port": config.port})
     logger.info("starting %d model(s): %s", len(config.models), [m.name for m in config.models])
     level = envs.get(LEVEL_ENV)

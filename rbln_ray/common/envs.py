@@ -74,6 +74,9 @@ _VARS = (
            "timing mode: tensor-parallel efficiency over several devices"),
     EnvVar("RBLN_RAY_TIMING_SYNC_US", float, None,
            "timing mode: per-layer synchronisation cost across devices, us"),
+    EnvVar("RBLN_RAY_MAX_REQUEST_BYTES", _positive_int, None,
+           "request-body cap of Serve's HTTP proxies (rbln_ray.serve.proxy_guard; default: "
+           "the Serve config's limits.max_request_bytes default)"),
     EnvVar("RBLN_RAY_TEST_STEP_FAULT", int, None,
            "tests only: a token id; a prefill whose tokens hold it raises in the worker, as a "
            "device call that fails would (fault injection, like vLLM's test_forward_error)"),

@@ -3,8 +3,10 @@
 Why apart from the decoder compile: optimum-rbln compiles a vision-language model as several
 graphs (the vision tower, the projector, and a decoder-only language model that takes
 ``inputs_embeds``), saved as submodule directories of one artifact. The compile settings are
-the language model's; the family's module (:mod:`rbln_ray.families`) adds what its tower
-needs (``vision_rbln_config``) and what its artifact needs after saving (``after_compile``).
+the language model's; the family's module (:mod:`rbln_ray.families`) may adjust or refuse
+them (``compile_settings``: Qwen3.5 compiles flash attention and one full-batch decode graph
+only) and adds what its tower needs (``vision_rbln_config``) and what its artifact needs after
+saving (``after_compile``).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ def compile_vision_language(
 
     The compile settings are the language model's: batch, length, attention, KV blocks. It
     is compiled with ``use_inputs_embeds``, as optimum-rbln requires for every vision-language
-    model; the vision tower with optimum's defaults (one image per call) plus what the
-    family's module adds.
+    model, and what the family's module requires of it (``language_rbln_config``); the vision
+    tower with optimum's defaults (one image per call) plus what the family's module adds.
     """
     from rbln_ray.emulator.switch import require_runtime
 
@@ -40,13 +42,20 @@ def compile_vision_language(
 
     hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
     text_config = hf_config.get("text_config") or hf_config
+    code = family.code()
+    if hasattr(code, "compile_settings"):  # what the family compiles (or refuses) otherwise
+        settings = code.compile_settings(settings)
     language = settings.with_max_seq_len(text_config).rbln_config(use_inputs_embeds=True)
+    code = family.code()
+    if hasattr(code, "language_rbln_config"):
+        # what the family's decoder must be compiled with whatever the settings say (e.g.
+        # PaliGemma's prefix-LM prefill takes an attention mask)
+        language.update(code.language_rbln_config(hf_dir, language))
     logger.info("compiling %s %s -> %s (language model %s)", family.name, hf_dir, out_dir, language)
     if family.language_submodule:
         rbln_config: dict[str, Any] = {family.language_submodule: language}
     else:
         rbln_config = dict(language)
-    code = family.code()
     if hasattr(code, "vision_rbln_config"):
         vision = code.vision_rbln_config(hf_dir)
         logger.info("vision tower %s: %s", family.vision_tower, vision)

@@ -24,7 +24,12 @@ from rbln_ray.models.tokenizer import build_tokenizer
 logger = logging.getLogger(__name__)
 
 
-def chat_template(image: str) -> str:
+# What the chat template appends for the model's answer (a family module's GENERATION_PROMPT
+# replaces it: PaliGemma's processor ends every prompt with its own newline).
+GENERATION_PROMPT = "<|assistant|>\n"
+
+
+def chat_template(image: str, generation_prompt: str = GENERATION_PROMPT) -> str:
     """The local tokenizer's chat template, with OpenAI-style content parts: an image part
     renders as ``image`` (the family's placeholder) where it stands (vLLM renders chat
     messages with it, and so does the transformers reference through the processor)."""
@@ -34,7 +39,7 @@ def chat_template(image: str) -> str:
         "{% else %}{% for part in m['content'] %}"
         "{% if part['type'] in ('image', 'image_url') %}" + image + "{% else %}"
         "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+        "{% if add_generation_prompt %}" + generation_prompt + "{% endif %}"
     )
 
 
@@ -70,7 +75,7 @@ class TinyVisionLanguageSpec:
             raise ValueError(
                 f"unknown vision-language family {self.family!r}; known: {list(VISION)}"
             )
-        wanted = VISION[self.family].language_family
+        wanted = VISION[self.family].tiny_language_family
         if self.language is None:
             object.__setattr__(self, "language", TinyModelSpec(family=wanted))
         for name, value in getattr(VISION[self.family].code(), "SPEC_DEFAULTS", {}).items():
@@ -108,9 +113,16 @@ def build_tiny_vlm(
     if (out / "config.json").exists():
         return out
     code = VISION[spec.family].code()
-    tokenizer = AutoTokenizer.from_pretrained(build_tokenizer(spec.language.vocab_size))
+    # named special tokens (tokenizer.image_token, ...) the family's processor looks up
+    named = getattr(code, "NAMED_TOKENS", None)
+    tokenizer = AutoTokenizer.from_pretrained(
+        build_tokenizer(spec.language.vocab_size),
+        **({"extra_special_tokens": dict(named)} if named else {}),
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": list(code.SPECIAL_TOKENS)})
-    tokenizer.chat_template = chat_template(code.PLACEHOLDER)
+    tokenizer.chat_template = chat_template(
+        code.PLACEHOLDER, getattr(code, "GENERATION_PROMPT", GENERATION_PROMPT)
+    )
     torch.manual_seed(spec.seed)
     model, processor = code.tiny_model(spec, tokenizer)
     model = model.eval()

@@ -22,6 +22,11 @@ What decides it in Ray 2.60:
 The price: no other host can reach, hence join, this instance. Multi-host clusters are
 started with ``ray up`` or KubeRay (``cluster_configs/``, with Ray's token authentication)
 and joined with ``--address``.
+
+Ray 2.60 also turns its token authentication on for every new local instance unless
+``RAY_AUTH_MODE`` says otherwise (token in ``~/.ray/auth_token``), but a driver given an
+explicit address does not turn it on by itself; so the record of the embedded default says
+which mode it runs in and :func:`prepare_to_join` puts a joining driver in the same one.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ LOOPBACK = "127.0.0.1"
 # Ray's metrics export of the embedded default (Ray's documented `ray start` example port).
 METRICS_EXPORT_PORT = 8080
 SINGLE_HOST_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"  # Ray reads both when it is imported
+AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 
 
 EMBEDDED_FILE = "embedded-ray.json"  # in rbln-ray's cache dir: the running embedded default
@@ -48,46 +55,71 @@ class LoopbackError(RuntimeError):
     """The local Ray instance could not be kept on the loopback interface."""
 
 
+def embedded_record_path() -> Path:
+    from rbln_ray.common.paths import cache_dir
+
+    return cache_dir() / EMBEDDED_FILE
+
+
 def record_embedded(gcs_address: str) -> Path:
     """Say where this host's embedded default runs (its GCS address and this process), so a
     driver started later on the host (``RBLNClient``) joins it without being told."""
-    from rbln_ray.common.paths import cache_dir
-
-    path = cache_dir() / EMBEDDED_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = embedded_record_path()
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"gcs_address": gcs_address, "pid": os.getpid()}))
+    record = {
+        "gcs_address": gcs_address,
+        "pid": os.getpid(),
+        # where the token is, never the token itself
+        "auth_mode": os.environ.get(AUTH_MODE_ENV, "disabled"),
+        "token_path": os.environ.get(AUTH_TOKEN_PATH_ENV),
+    }
+    tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
     return path
 
 
 def forget_embedded() -> None:
-    from rbln_ray.common.paths import cache_dir
-
-    path = cache_dir() / EMBEDDED_FILE
+    path = embedded_record_path()
     with contextlib.suppress(FileNotFoundError, ValueError, OSError):
         if json.loads(path.read_text()).get("pid") == os.getpid():
             path.unlink()
 
 
-def embedded_address() -> str | None:
-    """The GCS address of this host's running embedded default, or None."""
-    from rbln_ray.common.paths import cache_dir
-
+def embedded_record() -> dict | None:
+    """The record of this host's running embedded default, or None."""
     try:
-        found = json.loads((cache_dir() / EMBEDDED_FILE).read_text())
+        found = json.loads(embedded_record_path().read_text())
         os.kill(int(found["pid"]), 0)  # still running
+        str(found["gcs_address"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return str(found["gcs_address"])
+    return found
+
+
+def embedded_address() -> str | None:
+    """The GCS address of this host's running embedded default, or None."""
+    found = embedded_record()
+    return str(found["gcs_address"]) if found else None
 
 
 def prepare_to_join(address: str) -> None:
     """Before this process joins the Ray instance at ``address``: a loopback address is an
     embedded default in single-host mode, which a driver reaches only in that mode too (Ray
-    reads it when imported; without it the driver looks for a routable address and hangs)."""
-    if address.split(":")[0] == LOOPBACK:
-        prepare_loopback()
+    reads it when imported; without it the driver looks for a routable address and hangs),
+    and with the embedded default's authentication mode."""
+    if address.split(":")[0] != LOOPBACK:
+        return
+    prepare_loopback()
+    found = embedded_record()
+    if found and found["gcs_address"] == address and AUTH_MODE_ENV not in os.environ:
+        if "ray" in sys.modules and found.get("auth_mode") != "disabled":
+            raise LoopbackError(
+                "ray was imported before rbln-ray could select the embedded default's "
+                f"authentication; set {AUTH_MODE_ENV}={found['auth_mode']} in the environment"
+            )
+        os.environ[AUTH_MODE_ENV] = str(found.get("auth_mode", "disabled"))
+        if found.get("token_path"):
+            os.environ.setdefault(AUTH_TOKEN_PATH_ENV, str(found["token_path"]))
 
 
 def prepare_loopback() -> None:

@@ -285,6 +285,11 @@ def _sync_speculative(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
         )
     if art.is_multimodal:
         raise RBLNConfigError(f"{where}: vision-language models are not supported")
+    if art.state_slots:
+        raise RBLNConfigError(
+            f"{where}: linear-attention layers keep one state per sequence, which a verify "
+            "call cannot roll back past rejected drafts"
+        )
     if art.use_position_ids:
         raise RBLNConfigError(f"{where}: graphs with position ids are not supported")
     if art.spec_tokens < k:

@@ -84,6 +84,10 @@ def test_ray_up_config_passes_rays_validation(path: Path):
     assert '--node-ip-address="$RBLN_RAY_NODE_IP"' in workers
     setup = " ".join(prepared["setup_commands"])
     assert "make -C ~/rbln-ray/src install" in setup and ".rbln-ray-installed" in setup
+    # every node's Serve proxy caps request bodies (rbln_ray.serve.proxy_guard)
+    from rbln_ray.serve.proxy_guard import CALLBACK, CALLBACK_ENV
+
+    assert f"{CALLBACK_ENV}={CALLBACK}" in head and f"{CALLBACK_ENV}={CALLBACK}" in workers
     if "emulated" in path.name:
         assert "RBLN_RAY_DEVICE=emulated" in head and "RBLN_RAY_DEVICE=emulated" in workers
         assert """--resources='{"RBLN": 2}'""" in workers

@@ -33,7 +33,11 @@ def start_app(config: dict, port: int, model_dir: Path, devices: int = 4) -> Run
     from ray import serve
 
     from rbln_ray.serve import APP_NAME, build_app, load_config
+    from rbln_ray.serve.proxy_guard import proxy_env
 
+    app_config = load_config(config)
+    # as `rbln-ray serve` does: the proxy caps request bodies (read when the proxy starts)
+    os.environ.update(proxy_env(app_config.limits.max_request_bytes))
     os.environ["RBLN_RAY_DEVICE"] = "emulated"
     os.environ["RBLN_RAY_EMULATED_DEVICES"] = str(devices)  # the raylet's workers inherit it
     ray.init(
@@ -45,7 +49,6 @@ def start_app(config: dict, port: int, model_dir: Path, devices: int = 4) -> Run
         _system_config=FAST_EXPORT,
     )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app_config = load_config(config)
     serve.run(build_app(app_config), name=APP_NAME, route_prefix="/")
     return RunningApp(
         url=f"http://127.0.0.1:{port}",

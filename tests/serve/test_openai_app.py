@@ -384,7 +384,7 @@ def _png_data_url(width: int, height: int) -> str:
 @pytest.mark.parametrize(
     ("model", "url", "status", "needle"),
     [
-        ("demo", "tiny", 400, "does not accept images"),
+        ("demo", "tiny", 400, "does not accept image"),
         ("vision", "https://example.com/cat.png", 400, "data: urls"),
         ("vision", "data:image/png;base64,@@not-base64@@", 400, "base64"),
         ("vision", "data:image/png;base64,aGVsbG8gd29ybGQ=", 400, "cannot be decoded"),

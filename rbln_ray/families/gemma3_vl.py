@@ -1,0 +1,270 @@
+"""Gemma3 with images on RBLN (``gemma3_vl``; ``gemma3`` is the text-only decoder family): a
+SigLIP vision tower, a projector that pools its patches to ``mm_tokens_per_image`` tokens, and
+the Gemma3 language model (sliding-window and global layers), whose prefill lets each image's
+tokens attend to each other bidirectionally.
+
+What differs from LLaVA (:mod:`.llava`):
+
+* **Token types per prefill.** optimum-rbln 0.12 compiles the language model with a causal
+  ``prefill`` graph for text and a bidirectional ``image_prefill`` graph for an image's run of
+  tokens; its prefill routes each run by ``token_type_ids`` (1 on image tokens), which
+  :meth:`Embedder.prefill_inputs` passes with every prompt that has images (without them the
+  images would be read causally: transformers' output differs, and
+  ``test_bidirectional_prefill_changes_the_output`` checks the reference is sensitive to it).
+* **Whole-prompt prefill.** That prefill tight-packs the runs into chunks of
+  ``prefill_chunk_size`` (which optimum requires to equal ``mm_tokens_per_image``,
+  :func:`language_rbln_config`) and builds its attention mask from position 0 of the call, so
+  a prompt is prefilled in one call from 0: chunked prefill and prefix caching are off (as for
+  the text Gemma3 family; the sliding window alone rules prefix caching out). A chunk may write
+  up to ``prefill_chunk_size - 1`` KV slots past the prompt (a dead tail the next chunk or
+  decode overwrites); optimum raises inside the engine when that passes ``max_seq_len``, so the
+  processor refuses such a prompt first (:meth:`Gemma3MultiModalProcessor.apply`).
+* **Eager attention only.** With flash attention optimum pads chunks to partition boundaries
+  and decode then needs a per-request padded position and mask (vllm-rbln keeps them per
+  request); rbln-ray's decode takes token positions, so the compile refuses ``flash_attn``.
+* **Prompt format.** Each ``<start_of_image>`` becomes ``"\\n\\n<start_of_image>"``,
+  ``mm_tokens_per_image`` image tokens, ``"<end_of_image>\\n\\n"``; vLLM's placeholder covers
+  all of it and marks the image tokens (``is_embed``). vLLM's own Gemma3 processor also merges
+  the newlines next to the insertion into Gemma's multi-newline tokens; the tiny tokenizer has
+  none (checked: prompt ids equal transformers'), and this processor does not, so a real Gemma
+  tokenizer's prompts must be re-checked. Pan-and-scan crops are not served.
+* **vLLM's view.** vLLM 0.30's ``gemma3_mm`` imports transformers' torchvision image processor
+  at module level, so the processor below and :class:`RBLNGemma3Declaration` take its place.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import BatchFeature, Gemma3Config, Gemma3Processor
+from vllm.config.multimodal import BaseDummyOptions
+from vllm.inputs import MultiModalDataDict, MultiModalInput
+from vllm.model_executor.models.interfaces import SupportsMultiModal
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
+from vllm.multimodal.parse import ImageProcessorItems, MultiModalDataItems
+from vllm.multimodal.processing import (
+    BaseDummyInputsBuilder,
+    BaseMultiModalProcessor,
+    BaseProcessingInfo,
+    ProcessorInputs,
+    PromptReplacement,
+    PromptUpdate,
+    PromptUpdateDetails,
+    TimingContext,
+)
+
+from rbln_ray.families.registry import DECODERS
+from rbln_ray.families.tiny import decoder_config
+from rbln_ray.families.vision_base import Declaration, PromptEmbedder, not_on_rbln
+
+PLACEHOLDER = "<start_of_image>"  # what one image is in a prompt (and in the chat template)
+END_OF_IMAGE, IMAGE_TOKEN = "<end_of_image>", "<image_soft_token>"
+SPECIAL_TOKENS = [PLACEHOLDER, END_OF_IMAGE, IMAGE_TOKEN]
+# The tokenizer's named tokens Gemma3Processor looks up (tokenizer.boi_token, ...).
+NAMED_TOKENS = {"boi_token": PLACEHOLDER, "eoi_token": END_OF_IMAGE, "image_token": IMAGE_TOKEN}
+# Tokens per image of the tiny model: optimum-rbln needs the prefill chunk to equal it and be a
+# multiple of 64; one token per patch of an 8 x 8 grid.
+TOKENS_PER_IMAGE = 64
+
+
+def language_rbln_config(hf_dir: str | Path, language: dict[str, Any]) -> dict[str, Any]:
+    """The language model's prefill chunk: optimum-rbln 0.12 requires the text chunk to equal
+    the image chunk, ``mm_tokens_per_image``; eager attention only (module docstring)."""
+    if language.get("attn_impl") == "flash_attn":
+        raise ValueError(
+            f"{hf_dir}: Gemma3 with images is served with attn_impl='eager' only: with "
+            "flash_attn optimum-rbln 0.12 pads prefill chunks to KV partitions, and decode "
+            "would then need per-request padded positions, which rbln-ray does not keep"
+        )
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    return {"prefill_chunk_size": int(config.get("mm_tokens_per_image", 256))}
+
+
+# ----------------------------------------------------------------------------- vLLM
+class Gemma3ProcessingInfo(BaseProcessingInfo):
+    """Gemma3: a fixed ``mm_tokens_per_image`` per image, framed by its markers."""
+
+    def get_hf_config(self) -> Gemma3Config:
+        return self.ctx.get_hf_config(Gemma3Config)
+
+    def get_hf_processor(self, **kwargs: object) -> Gemma3Processor:
+        return self.ctx.get_hf_processor(Gemma3Processor, **kwargs)
+
+    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
+        return {"image": None}
+
+    def get_mm_max_tokens_per_item(
+        self, seq_len: int, mm_counts: Mapping[str, int]
+    ) -> Mapping[str, int]:
+        return {"image": self.get_hf_config().mm_tokens_per_image}
+
+    def longest_prompt_with_images(self) -> int:
+        """Tokens a prompt with images may have: optimum's prefill may write up to a chunk
+        (``mm_tokens_per_image``) less one past its end, within the compiled length."""
+        return self.ctx.model_config.max_model_len - (self.get_hf_config().mm_tokens_per_image - 1)
+
+
+class Gemma3DummyInputs(BaseDummyInputsBuilder[Gemma3ProcessingInfo]):
+    def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
+        return PLACEHOLDER * mm_counts.get("image", 0)
+
+    def get_dummy_mm_data(
+        self,
+        seq_len: int,
+        mm_counts: Mapping[str, int],
+        mm_options: Mapping[str, BaseDummyOptions],
+    ) -> MultiModalDataDict:
+        size = self.info.get_hf_config().vision_config.image_size
+        images = self._get_dummy_images(
+            width=size,
+            height=size,
+            num_images=mm_counts.get("image", 0),
+            overrides=mm_options.get("image"),
+        )
+        return {"image": images}
+
+
+class Gemma3MultiModalProcessor(BaseMultiModalProcessor[Gemma3ProcessingInfo]):
+    def _get_mm_fields_config(
+        self, hf_inputs: BatchFeature, hf_processor_mm_kwargs: Mapping[str, object]
+    ) -> Mapping[str, MultiModalFieldConfig]:
+        crops = hf_inputs.get("num_crops")
+        if crops is not None and bool(torch.as_tensor(crops).any()):
+            raise ValueError("Gemma3's pan-and-scan crops (do_pan_and_scan) are not served")
+        return {"pixel_values": MultiModalFieldConfig.batched("image")}
+
+    def _get_prompt_updates(
+        self,
+        mm_items: MultiModalDataItems,
+        hf_processor_mm_kwargs: Mapping[str, object],
+        out_mm_kwargs: MultiModalKwargsItems,
+    ) -> Sequence[PromptUpdate]:
+        config = self.info.get_hf_config()
+        processor = self.info.get_hf_processor(**hf_processor_mm_kwargs)
+        mm_items.get_items("image", ImageProcessorItems)  # pixels only, no precomputed embeds
+        sequence = self.info.get_tokenizer().encode(
+            processor.full_image_sequence, add_special_tokens=False
+        )
+        replacement = PromptUpdateDetails.select_token_id(sequence, config.image_token_index)
+        return [
+            PromptReplacement(
+                modality="image", target=[config.boi_token_index], replacement=replacement
+            )
+        ]
+
+    def apply(self, inputs: ProcessorInputs, timing_ctx: TimingContext) -> MultiModalInput:
+        processed = super().apply(inputs, timing_ctx)
+        most = self.info.longest_prompt_with_images()
+        tokens = len(processed["prompt_token_ids"])
+        if processed["mm_placeholders"].get("image") and tokens > most:
+            raise ValueError(
+                f"a Gemma3 prompt with images may be at most {most} tokens (max_model_len less "
+                f"the {self.info.get_hf_config().mm_tokens_per_image - 1} KV slots optimum-rbln's "
+                f"prefill may write past it); this one is {tokens}"
+            )
+        return processed
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    Gemma3MultiModalProcessor, info=Gemma3ProcessingInfo, dummy_inputs=Gemma3DummyInputs
+)
+class RBLNGemma3Declaration(Declaration, SupportsMultiModal):
+    """``Gemma3ForConditionalGeneration`` as vLLM's registry and front end see it on RBLN."""
+
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
+        if modality.startswith("image"):
+            return PLACEHOLDER
+        raise ValueError("only image inputs are supported")
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        not_on_rbln()
+
+
+# ----------------------------------------------------------------------------- runner
+class Embedder(PromptEmbedder):
+    """Image features from ``get_image_features`` (the compiled tower and projector) and the
+    prompt's token types (1 on image tokens) at its prefill."""
+
+    def _image_features(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        pixels = data["pixel_values"]
+        if pixels.dim() == 3:  # one image: [C, H, W]
+            pixels = pixels.unsqueeze(0)
+        return self.model.get_image_features(pixels)
+
+    def prefill_inputs(self, state: Any, start: int, end: int) -> dict[str, torch.Tensor]:
+        if not self.has_images(state.mm_features):
+            return {}  # text only: the causal prefill, as optimum runs it without types
+        if start:
+            raise RuntimeError(
+                f"request {state.req_id}: a Gemma3 prompt with images must be prefilled from "
+                f"position 0, not {start} (optimum-rbln's prefill masks from the call's start)"
+            )
+        types = torch.zeros(end, dtype=torch.long)
+        for feature in state.mm_features:
+            where = feature.mm_position
+            span = torch.arange(where.offset, where.offset + where.length)
+            if where.is_embed is not None:
+                span = span[where.is_embed]
+            types[span[span < end]] = 1
+        return {"token_type_ids": types.unsqueeze(0)}
+
+
+# ----------------------------------------------------------------------------- tiny model
+def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """Gemma3's recipe at the spec's shape: a SigLIP tower without pooling head over an 8 x 8
+    patch grid (the image is sized for it), the projector (RMS norm, average pool to
+    ``TOKENS_PER_IMAGE``, linear), a Gemma3 LM with alternating sliding and global layers."""
+    import transformers
+
+    side = 8 * spec.patch_size
+    init = spec.language.initializer_range
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in NAMED_TOKENS.items()}
+    text = decoder_config(
+        DECODERS[spec.language.family].tiny,
+        replace(spec.language, vocab_size=len(tokenizer)),
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=spec.vision_hidden_size,
+        intermediate_size=2 * spec.vision_hidden_size,
+        num_hidden_layers=spec.vision_layers,
+        num_attention_heads=spec.vision_heads,
+        image_size=side,
+        patch_size=spec.patch_size,
+        # transformers 5.15 defaults SigLIP to a pooling head, which optimum-rbln then compiles
+        # as a second output Gemma3's tower call has no buffer for; checkpoints have none
+        vision_use_head=False,
+    )
+    config = transformers.Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision,
+        mm_tokens_per_image=TOKENS_PER_IMAGE,
+        boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"],
+        image_token_index=ids["image_token"],
+        initializer_range=init,  # the LM head's; the default 0.02 makes near-flat logits
+        tie_word_embeddings=False,
+    )
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    # transformers initialises the projection to zeros: every image would be the same
+    # (zero) features and a test would pass whatever the image
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=init)
+    image_processor = transformers.Gemma3ImageProcessorPil(size={"height": side, "width": side})
+    processor = transformers.Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+        image_seq_length=TOKENS_PER_IMAGE,
+    )
+    return model, processor
