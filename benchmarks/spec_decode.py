@@ -90,6 +90,14 @@ def mixed_prompts(vocab: int, n: int, input_len: int, seed: int) -> list[list[in
     return common.prompts(n, input_len, vocab, seed=seed)
 
 
+def tokens_per_call(run: dict) -> float:
+    """Output tokens per decode or verify call of the timed run (a prompt's first token
+    comes from its prefill call and is not counted)."""
+    stats = run["step_stats"]
+    calls = stats["decode_steps"] + stats["verify_steps"]
+    return (run["output_tokens"] - len(run["tokens"])) / max(1, calls)
+
+
 # ------------------------------------------------------------------ runs
 def compiled(hf_dir: Path, batch: int, k: int) -> Path:
     import os
@@ -170,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     for workload, by_batch in results.items():
         for batch, by_config in by_batch.items():
             off = by_config["off"]
-            row = {"off_tok_s": off["output_tok_s"]}
+            row = {"off_tok_s": off["output_tok_s"], "off_tokens_per_call": tokens_per_call(off)}
             for config in ("ngram", "always"):
                 if config not in by_config:
                     continue
@@ -179,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 accepted = r["spec"]["vllm:spec_decode_num_accepted_tokens"]
                 row[config] = {
                     "tok_s": r["output_tok_s"],
+                    "tokens_per_call": tokens_per_call(r),
                     "speedup": r["output_tok_s"] / off["output_tok_s"],
                     "same_tokens": r["tokens"] == off["tokens"],
                     "acceptance_length": 1 + accepted / drafts if drafts else None,
@@ -201,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{key:14s} off {row['off_tok_s']:6.1f} tok/s  ngram {ng['tok_s']:6.1f} "
             f"({ng['speedup']:.2f}x, goal {row['goal']}, {'met' if row['met'] else 'NOT met'}; "
+            f"tokens/call {row['off_tokens_per_call']:.2f} -> {ng['tokens_per_call']:.2f}; "
             f"acceptance length {ng['acceptance_length']}, same tokens {ng['same_tokens']})" + extra
         )
     slim = {

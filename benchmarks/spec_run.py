@@ -9,7 +9,7 @@ argv[1] is a JSON spec::
 
 Prints one ``RESULT {...}`` line: output tok/s of the timed ``generate`` (after a warm-up
 one), the output token ids, vLLM's spec-decode counters over the timed run, the runner's
-step counters and the emulator's call-log totals (modelled-mode overruns).
+step counters over the timed run and the emulator's call-log totals (modelled-mode overruns).
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def main() -> None:
     if warm:
         llm.generate(warm, params, use_tqdm=False)
     before = spec_counters(llm)
+    stats_before = llm.collective_rpc("step_stats")[0]
     llm.collective_rpc("emulator_calls_reset")
     prompts = [{"prompt_token_ids": p} for p in SPEC["prompts"]]
     started = time.perf_counter()
@@ -82,6 +83,9 @@ def main() -> None:
     ]
     stats = llm.collective_rpc("step_stats")[0]
     stats.pop("history", None)
+    stats = {  # the timed run's (the warm-up's steps taken out)
+        k: v - stats_before.get(k, 0) if isinstance(v, int | float) else v for k, v in stats.items()
+    }
     kinds: dict[str, int] = {}
     for c in calls["calls"]:
         kinds[c["kind"]] = kinds.get(c["kind"], 0) + 1

@@ -59,7 +59,7 @@ from rbln_ray.families.registry import VISION
 from rbln_ray.families.vision_base import PromptEmbedder
 from rbln_ray.upstream import vllm_internals
 from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK, BlockLayout, KVCopy, KVStepPlan
-from rbln_ray.vllm_plugin.spec.policy import SpecStepInfo
+from rbln_ray.vllm_plugin.spec.policy import SpecStepInfo, accepted_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -537,7 +537,8 @@ class RBLNModelRunner:
         ``-1`` placeholders) the runner's own last proposal for the request; ``-1`` past the
         drafts there are (never accepted), none beyond the compiled width."""
         scheduled = list(so.scheduled_spec_decode_tokens.get(req_id, ()))[: width - 1]
-        if scheduled and all(d < 0 for d in scheduled):
+        placeholders = self.vllm_config.scheduler_config.async_scheduling
+        if placeholders and scheduled and all(d < 0 for d in scheduled):
             own = self._proposed.pop(req_id, ([], 0))[0][: len(scheduled)]
             scheduled = own + [-1] * (len(scheduled) - len(own))
         self._shadows.pop(req_id, None)  # verified: vLLM counts its acceptance
@@ -678,9 +679,7 @@ class RBLNModelRunner:
             # penalties and bad words see the drafts (vLLM's sampling metadata)
             vllm_internals.set_spec_tokens(batch, self.requests[req_id], mine)
         if grammar_output is not None:
-            from vllm.v1.structured_output.utils import apply_grammar_bitmask
-
-            apply_grammar_bitmask(so, grammar_output, batch, logits)
+            logits = self._apply_grammar(so, grammar_output, logits, drafts)
         md = spec_metadata(drafts)
         out = self.rejection_sampler(md, None, logits, batch.sampling_metadata)
         tokens, logprobs = RejectionSampler.parse_output(
@@ -695,6 +694,35 @@ class RBLNModelRunner:
             max(0, len(t) - 1) for t, d in zip(tokens, drafts, strict=True) if d
         )
         return tokens, logprobs
+
+    def _apply_grammar(
+        self,
+        so: SchedulerOutput,
+        grammar_output: GrammarOutput,
+        logits: torch.Tensor,
+        drafts: list[list[int]],
+    ) -> torch.Tensor:
+        """vLLM's grammar bitmask on ``logits`` (per request in batch order, ``1 + len(drafts)``
+        rows). The bitmask is laid out for the scheduler's drafts, which may be more than the
+        runner verified (async scheduling's ``-1`` placeholders, drafts the grammar rejected,
+        a verify step run as a decode step): the rows are placed in that layout, masked, and
+        taken back. A row past a draft the grammar rejected is never accepted (the masked
+        target cannot pick the rejected draft), so its mask does not matter."""
+        from vllm.v1.structured_output.utils import apply_grammar_bitmask
+
+        req_ids = self.input_batch.req_ids
+        spec = so.scheduled_spec_decode_tokens
+        widths = [1 + len(spec.get(r, ())) for r in req_ids]
+        mine = [1 + len(d) for d in drafts]
+        if widths == mine:
+            apply_grammar_bitmask(so, grammar_output, self.input_batch, logits)
+            return logits
+        starts = [sum(widths[:i]) for i in range(len(widths))]
+        index = torch.tensor([s + j for s, n in zip(starts, mine, strict=True) for j in range(n)])
+        laid = logits.new_zeros(sum(widths), logits.shape[1])
+        laid[index] = logits
+        apply_grammar_bitmask(so, grammar_output, self.input_batch, laid)
+        return laid[index]
 
     def _verify(self, step: _VerifyStep):
         """Run a verify step; its logits in vLLM's flat layout (per request in batch order:
@@ -847,9 +875,7 @@ class RBLNModelRunner:
         else:
             so, logits = pending
             if grammar_output is not None:
-                from vllm.v1.structured_output.utils import apply_grammar_bitmask
-
-                apply_grammar_bitmask(so, grammar_output, batch, logits)
+                logits = self._apply_grammar(so, grammar_output, logits, [[]] * len(req_ids))
             sampled = self.sampler(logits, batch.sampling_metadata)
             token_ids = sampled.sampled_token_ids.tolist()
             for req_id, (token,) in zip(req_ids, token_ids, strict=True):
@@ -911,13 +937,9 @@ class RBLNModelRunner:
                 del self._shadows[req_id]
             elif state.num_tokens >= start + len(mine):
                 produced = [state.get_token_id(start + i) for i in range(len(mine))]
-                accepted = next(
-                    (i for i, (d, t) in enumerate(zip(mine, produced, strict=True)) if d != t),
-                    len(mine),
-                )
                 # async: a row without drafts counts as k drafts, none accepted (its
                 # placeholders are rejected): acceptance here includes availability
-                done.append((k, accepted))
+                done.append((k, accepted_prefix(mine, produced)))
                 del self._shadows[req_id]
         return done
 

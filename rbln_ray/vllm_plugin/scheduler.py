@@ -50,7 +50,7 @@ from rbln_ray.upstream import vllm_internals
 from rbln_ray.vllm_plugin.kv_blocks import BlockLayout, KVStepPlan, OuterBlockManager
 from rbln_ray.vllm_plugin.kv_slots import SlotManager
 from rbln_ray.vllm_plugin.options import engine_options
-from rbln_ray.vllm_plugin.spec.policy import SpecPolicy
+from rbln_ray.vllm_plugin.spec.policy import SpecPolicy, accepted_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -259,11 +259,7 @@ class _RBLNScheduling:
             if request.num_tokens < start + len(drafts):
                 continue
             produced = request.all_token_ids[start : start + len(drafts)]
-            accepted = next(
-                (i for i, (d, t) in enumerate(zip(drafts, produced, strict=True)) if d != t),
-                len(drafts),
-            )
-            policy.observe(len(drafts), accepted)
+            policy.observe(len(drafts), accepted_prefix(drafts, produced))
             del self._shadow[req_id]
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:

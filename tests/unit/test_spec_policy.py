@@ -69,9 +69,7 @@ def test_an_engine_with_ngram_is_sized_for_drafts_and_schedules_async(artifact) 
     assert sched.async_scheduling is True  # vLLM turned it off for ngram, rbln-ray on
     assert sched.max_num_batched_tokens >= 4 * (1 + 3)  # every row's token and drafts
     assert sched.scheduler_cls.endswith("RBLNAsyncScheduler")
-    sync = Harness(
-        artifact, speculative_config=NGRAM, additional_config={"rbln_spec_async": False}
-    )
+    sync = Harness(artifact, speculative_config=NGRAM, additional_config={"rbln_spec_async": False})
     assert sync.config.scheduler_config.async_scheduling is False
 
 

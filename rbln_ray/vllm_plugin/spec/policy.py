@@ -34,6 +34,15 @@ ALPHA = 0.1  # weight of a new observation in the running averages (once warmed 
 PRIOR_ACCEPTANCE = 0.5  # per-position acceptance before any is measured, worth one sample
 
 
+def accepted_prefix(drafts: list[int], produced: list[int]) -> int:
+    """How many of ``drafts`` greedy verification would have accepted: the length of their
+    prefix equal to the tokens the steps produced (shadow drafts, which no step verified)."""
+    return next(
+        (i for i, (d, t) in enumerate(zip(drafts, produced, strict=True)) if d != t),
+        len(drafts),
+    )
+
+
 @dataclass
 class SpecStepInfo:
     """What a worker's step tells the scheduler's policy (``RBLNRunnerOutput.rbln_spec``)."""
