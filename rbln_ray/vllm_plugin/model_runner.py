@@ -59,7 +59,7 @@ from rbln_ray.families.registry import VISION
 from rbln_ray.families.vision_base import PromptEmbedder
 from rbln_ray.upstream import vllm_internals
 from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK, BlockLayout, KVCopy, KVStepPlan
-from rbln_ray.vllm_plugin.spec.policy import SpecStepInfo, accepted_prefix
+from rbln_ray.vllm_plugin.spec.policy import SpecStepInfo
 
 logger = logging.getLogger(__name__)
 
@@ -223,13 +223,6 @@ class RBLNModelRunner:
         self.spec = speculator
         self.rejection_sampler = None
         self._drafts: DraftTokenIds | None = None  # for the engine's take_draft_token_ids
-        # Async scheduling: each request's last proposal (drafts, first draft position),
-        # which replaces vLLM's placeholders in its next verify step; proposals no step
-        # verified are compared with the tokens produced instead (shadow acceptance, for the
-        # scheduler's policy); drafts padded with -1 in the last verify step, by request.
-        self._proposed: dict[str, tuple[list[int], int]] = {}
-        self._shadows: dict[str, tuple[list[int], int]] = {}
-        self._padded: dict[str, int] = {}
         if speculator is not None:
             from rbln_ray.vllm_plugin.spec.sampling import rejection_sampler
 
@@ -284,9 +277,6 @@ class RBLNModelRunner:
             forget = getattr(self.spec.drafter, "forget", None)
             if forget is not None:
                 forget(so.finished_req_ids)
-            for req_id in so.finished_req_ids:
-                self._proposed.pop(req_id, None)
-                self._shadows.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             generator = None
@@ -410,18 +400,10 @@ class RBLNModelRunner:
             req_ids = list(so.num_scheduled_tokens)
         self._last_rows = req_ids
         if plan.kind == "verify":
-            verify = self._prepare_verify(so, plan, req_ids)
-            if verify is not None:
-                return verify
-            ahead = None  # no row has a draft: a plain decode step
+            return self._prepare_verify(so, plan, req_ids)
         if plan.kind != "prefill":
             if ahead is None or ahead.so is not so or ahead.req_ids != req_ids:
-                if self.spec is not None:
-                    # the last sampled token's position: the scheduler's count assumes every
-                    # draft in flight is accepted (async scheduling)
-                    positions = [self.requests[r].num_tokens - 1 for r in req_ids]
-                else:
-                    positions = [self.requests[r].num_computed_tokens for r in req_ids]
+                positions = [self.requests[r].num_computed_tokens for r in req_ids]
                 ahead = self._prepare_decode(so, plan, req_ids, positions)
             else:
                 self.stats.decode_inputs_ahead += 1
@@ -461,10 +443,8 @@ class RBLNModelRunner:
         state), and :meth:`prepare` builds the inputs itself when the guess was wrong.
         None: nothing to build ahead (a prefill, a changed batch, a vision-language model)."""
         plan: KVStepPlan | None = getattr(so, "rbln_plan", None)
-        if plan is None or plan.kind == "prefill" or self.embedder is not None:
-            return None
-        if self.spec is not None:  # positions depend on the previous step's accepted drafts
-            return None
+        if plan is None or plan.kind in ("prefill", "verify") or self.embedder is not None:
+            return None  # a verify step's positions depend on the previous step's acceptance
         cached = so.scheduled_cached_reqs
         if so.scheduled_new_reqs or so.finished_req_ids or cached.resumed_req_ids:
             return None
@@ -532,33 +512,16 @@ class RBLNModelRunner:
             inputs.update(self.embedder.decode_inputs(states, cache_pos))
         return _DecodeStep(so, req_ids, bs, layout, list(positions), cache_pos, inputs)
 
-    def _step_drafts(self, so: SchedulerOutput, req_id: str, width: int) -> list[int]:
-        """A row's drafts for this step: the scheduler's, or with async scheduling (its
-        ``-1`` placeholders) the runner's own last proposal for the request; ``-1`` past the
-        drafts there are (never accepted), none beyond the compiled width."""
-        scheduled = list(so.scheduled_spec_decode_tokens.get(req_id, ()))[: width - 1]
-        placeholders = self.vllm_config.scheduler_config.async_scheduling
-        if placeholders and scheduled and all(d < 0 for d in scheduled):
-            own = self._proposed.pop(req_id, ([], 0))[0][: len(scheduled)]
-            scheduled = own + [-1] * (len(scheduled) - len(own))
-        self._shadows.pop(req_id, None)  # verified: vLLM counts its acceptance
-        return scheduled
-
     def _prepare_verify(
         self, so: SchedulerOutput, plan: KVStepPlan, req_ids: list[str]
-    ) -> _VerifyStep | None:
+    ) -> _VerifyStep:
         """A verify step's inputs: per row the last sampled token and its drafts, ``width``
         positions from the last sampled token's (back-padded by repeating the last real
         token; front-padded near ``max_model_len``); padding rows on the scratch block.
-        None when no row has a draft (async scheduling: the proposer found none): the step
-        is then a plain decode step (vLLM counts every placeholder as rejected)."""
+        A draft the grammar rejected (``-1``) ends the row's drafts: it is never accepted."""
         if self.spec is None:
             raise RuntimeError("a verify step on a runner without speculative decoding")
         width = plan.width
-        step_drafts = {r: self._step_drafts(so, r, width) for r in req_ids}
-        self._padded = {r: sum(1 for d in ds if d < 0) for r, ds in step_drafts.items()}
-        if not any(d >= 0 for ds in step_drafts.values() for d in ds):
-            return None
         sizes = self.artifact.decoder_batch_sizes
         idx = bisect.bisect_left(sizes, len(req_ids))
         if idx == len(sizes):
@@ -571,9 +534,8 @@ class RBLNModelRunner:
         for r in req_ids:
             state = self.requests[r]
             n = state.num_tokens - 1  # the last sampled token's position (no KV yet)
-            mine = step_drafts[r]
-            real = next((i for i, d in enumerate(mine) if d < 0), len(mine))
-            mine = mine[:real]  # the sampler sees real drafts only; padding is never accepted
+            mine = list(so.scheduled_spec_decode_tokens.get(r, ()))[: width - 1]
+            mine = mine[: next((i for i, d in enumerate(mine) if d < 0), len(mine))]
             f = max(0, n + width - limit)
             ids = [state.get_token_id(p) for p in range(n - f, n + 1)]
             ids += mine
@@ -658,10 +620,7 @@ class RBLNModelRunner:
     ) -> DraftTokenIds | None:
         """Drafts for the next step of the rows that sampled a token now (``sampled`` in
         input batch order); the scheduler says how many (0: none)."""
-        k = self.num_spec_tokens(self.vllm_config)
-        if self.spec is not None and self.spec.drafter.method == "draft_model":
-            k = min(so.num_spec_tokens_to_schedule, k)  # its proposals cost device time
-        # (n-gram: always, host work only; its unverified proposals measure acceptance)
+        k = min(so.num_spec_tokens_to_schedule, self.num_spec_tokens(self.vllm_config))
         if self.spec is None or k <= 0 or not any(sampled):
             return None
         drafts = self.spec.drafter.propose_step(self, so, req_ids, sampled, k)
@@ -704,10 +663,8 @@ class RBLNModelRunner:
     ) -> torch.Tensor:
         """vLLM's grammar bitmask on ``logits`` (per request in batch order, ``1 + len(drafts)``
         rows). The bitmask is laid out for the scheduler's drafts, which may be more than the
-        runner verified (async scheduling's ``-1`` placeholders, drafts the grammar rejected,
-        a verify step run as a decode step): the rows are placed in that layout, masked, and
-        taken back. A row past a draft the grammar rejected is never accepted (the masked
-        target cannot pick the rejected draft), so its mask does not matter."""
+        runner verified (a ``-1``, a draft the grammar rejected, ends a row's drafts): the
+        rows are placed in that layout, masked, and taken back."""
         from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
         req_ids = self.input_batch.req_ids
@@ -875,7 +832,9 @@ class RBLNModelRunner:
         else:
             so, logits = pending
             if grammar_output is not None:
-                logits = self._apply_grammar(so, grammar_output, logits, [[]] * len(req_ids))
+                from vllm.v1.structured_output.utils import apply_grammar_bitmask
+
+                apply_grammar_bitmask(so, grammar_output, batch, logits)
             sampled = self.sampler(logits, batch.sampling_metadata)
             token_ids = sampled.sampled_token_ids.tolist()
             for req_id, (token,) in zip(req_ids, token_ids, strict=True):
@@ -891,13 +850,8 @@ class RBLNModelRunner:
             host_t = time.perf_counter()
             info = self._step_info(so)
             logprob_lists = logprobs.tolists() if logprobs is not None else None
-        info.shadow = self._resolve_shadows()
-        info.padded = dict(self._padded)
-        self._padded = {}
         drafter_t, calls_before = self._drafter_time()
         drafts = self._propose(so, req_ids, token_ids)
-        if drafts is not None:
-            self._remember(drafts)
         drafter_after, calls_after = self._drafter_time()
         info.draft_s, info.draft_calls = drafter_after - drafter_t, calls_after - calls_before
         info.host_s = time.perf_counter() - host_t - info.draft_s
@@ -914,49 +868,21 @@ class RBLNModelRunner:
             rbln_drafts=drafts,
         )
 
-    def _remember(self, drafts: DraftTokenIds) -> None:
-        """Keep each request's new proposal (async scheduling's drafts), and a proposal its
-        next step may not verify as a shadow to measure."""
-        for req_id, mine in zip(drafts.req_ids, drafts.draft_token_ids, strict=True):
-            if not mine:
-                self._proposed.pop(req_id, None)
-                continue
-            start = self.requests[req_id].num_tokens  # the first draft's position
-            self._proposed[req_id] = (list(mine), start)
-            if self.vllm_config.scheduler_config.async_scheduling:
-                self._shadows.setdefault(req_id, (list(mine), start))
-
-    def _resolve_shadows(self) -> list[tuple[int, int]]:
-        """(drafts, accepted) of every shadow proposal whose positions are now all decoded:
-        how many of its drafts the steps' own tokens matched."""
-        done: list[tuple[int, int]] = []
-        k = self.num_spec_tokens(self.vllm_config)
-        for req_id, (mine, start) in list(self._shadows.items()):
-            state = self.requests.get(req_id)
-            if state is None:
-                del self._shadows[req_id]
-            elif state.num_tokens >= start + len(mine):
-                produced = [state.get_token_id(start + i) for i in range(len(mine))]
-                # async: a row without drafts counts as k drafts, none accepted (its
-                # placeholders are rejected): acceptance here includes availability
-                done.append((k, accepted_prefix(mine, produced)))
-                del self._shadows[req_id]
-        return done
-
     def _drafter_time(self) -> tuple[float, int]:
         drafter = self.spec.drafter if self.spec is not None else None
         return getattr(drafter, "seconds", 0.0), getattr(drafter, "calls", 0)
 
     def _step_info(self, so: SchedulerOutput) -> SpecStepInfo:
-        """The plain step just run, for the scheduler's speculation policy (a verify step
-        whose rows had no drafts ran as a decode step)."""
+        """The plain step just run, for the scheduler's speculation policy."""
         plan: KVStepPlan = so.rbln_plan
-        if plan.kind == "prefill":
+        if plan.kind != "decode":
             return SpecStepInfo("prefill", 0, 0, 0.0)
         rows = len(so.num_scheduled_tokens)
         sizes = self.artifact.decoder_batch_sizes
         bs = sizes[bisect.bisect_left(sizes, rows)]
-        context = sum(self.requests[r].num_tokens - 1 for r in so.num_scheduled_tokens)
+        context = sum(self.requests[r].num_computed_tokens for r in so.num_scheduled_tokens)
+        if any(so.scheduled_spec_decode_tokens.values()):
+            raise RuntimeError("a decode step with drafts must be a verify step")
         return SpecStepInfo("decode", bs, context // max(1, rows), self._last_decode_s)
 
     def _append_token(self, req_id: str, token: int) -> None:

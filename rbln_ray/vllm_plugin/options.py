@@ -40,12 +40,6 @@ key                                    default     meaning
                                                    tokens per second
 ``rbln_spec_probe_steps``              32          auto, draft model: decode steps between
                                                    probes while speculation is off
-``rbln_spec_async``                    true        speculative decoding with async
-                                                   scheduling (vLLM turns it off for
-                                                   ``ngram``; the RBLN runner supports it);
-                                                   false: synchronous steps (vLLM's
-                                                   ``async_scheduling=False`` cannot be told
-                                                   from vLLM's own choice)
 =====================================  ==========  ===========================================
 """
 
@@ -102,7 +96,6 @@ class RBLNOptions(PlacementSettings):
     spec_policy: Literal["auto", "always"] = "auto"
     spec_min_gain: float = Field(1.05, gt=0)
     spec_probe_steps: StrictInt = Field(32, ge=1)
-    spec_async: bool = True
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:

@@ -250,8 +250,8 @@ def _spec_refusal(method: str) -> str:
 
 
 def _sync_speculative(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
-    """Speculative decoding on RBLN (ngram, draft_model); refuse, naming it, what the compiled
-    graphs cannot serve. Async scheduling stays on (:func:`_sync_async_scheduling`)."""
+    """Speculative decoding on RBLN (ngram, draft_model) with synchronous scheduling; refuse,
+    naming it, what the compiled graphs cannot serve."""
     spec = vllm_config.speculative_config
     if spec is None:
         return
@@ -314,6 +314,14 @@ def _sync_speculative(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
         sched.max_num_seqs * (1 + k + slots),
     )
     sched.max_num_scheduled_tokens = None
+    if sched.async_scheduling:
+        # vLLM itself refuses async scheduling with `ngram` (its re-check in the engine
+        # process raises); the RBLN runner's async path (filling vLLM's draft placeholders
+        # with its own proposals) is not verified token-exact, so neither method uses it.
+        logger.info(
+            "async scheduling off: speculative decoding (%s) on RBLN runs synchronously", method
+        )
+    sched.async_scheduling = False
     from rbln_ray.emulator import timing
 
     if spec.rejection_sample_method != "synthetic" and timing.emulator_mode() == "timing":
@@ -387,16 +395,11 @@ def _sync_async_scheduling(vllm_config: VllmConfig, requested_backend: object) -
         if sched.async_scheduling:
             logger.info("async scheduling off: pipeline stages overlap through the batch queue")
         sched.async_scheduling = False
+    elif vllm_config.speculative_config is not None:
+        sched.async_scheduling = False  # _sync_speculative: synchronous scheduling
     elif requested_backend == "ray" and not sched.async_scheduling:
         logger.info("async scheduling on: the RBLN Ray executor supports it")
         sched.async_scheduling = True
-    elif vllm_config.speculative_config is not None:
-        # vLLM turns it off for n-gram speculation (its GPU runner cannot overlap it); the
-        # RBLN runner fills vLLM's draft placeholders with its own proposals
-        wanted = engine_options(vllm_config).spec_async
-        if wanted != sched.async_scheduling:
-            logger.info("async scheduling %s (rbln_spec_async)", "on" if wanted else "off")
-        sched.async_scheduling = wanted
     sched.scheduler_cls = ASYNC_SCHEDULER_CLS if sched.async_scheduling else SCHEDULER_CLS
 
 

@@ -220,9 +220,8 @@ class _RBLNScheduling:
         context = sum(r.num_computed_tokens for r in visible) // max(1, len(visible))
         if policy.verify_pays(drafts, self._decode_batch(len(visible)), context):
             return
-        placeholders = self.scheduler_config.async_scheduling  # the worker has the drafts
         for r in visible:
-            if r.spec_token_ids and not placeholders and r.request_id not in self._shadow:
+            if r.spec_token_ids and r.request_id not in self._shadow:
                 self._shadow[r.request_id] = (r.num_tokens, list(r.spec_token_ids))
             r.spec_token_ids = []
 
@@ -232,12 +231,6 @@ class _RBLNScheduling:
         info = getattr(mro, "rbln_spec", None)
         if info is not None:
             policy.observe_step(info)
-            for drafts_n, accepted_n in info.shadow:
-                policy.observe(drafts_n, accepted_n)
-            if info.padded:  # placeholders the worker had no draft for: not proposed
-                invalid = dict(so.num_invalid_spec_tokens or {})
-                invalid.update({r: n for r, n in info.padded.items() if n})
-                so.num_invalid_spec_tokens = invalid or None
         drafts = so.scheduled_spec_decode_tokens
         if not drafts or not mro.sampled_token_ids:
             return
@@ -263,13 +256,12 @@ class _RBLNScheduling:
             del self._shadow[req_id]
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
-        """vLLM's, after choosing how many drafts the next step gets: ``k`` for the n-gram
-        proposer with synchronous scheduling (host work only; the next step decides whether
-        to verify them); with async scheduling the number of placeholders vLLM reserves for
-        the next step (the worker fills them), so the policy decides now; for a draft model
-        the policy decides now either way (its device time is spent proposing)."""
+        """vLLM's, after choosing how many drafts the workers propose for the next step:
+        ``k`` for the n-gram proposer (host work only; the next step decides whether to
+        verify them), the policy's choice for a draft model (its device time is spent
+        proposing)."""
         policy = self.spec_policy
-        if policy is not None and (policy.draft_model or self.scheduler_config.async_scheduling):
+        if policy is not None and policy.draft_model:
             rows = [
                 self.requests[r]
                 for r in scheduler_output.num_scheduled_tokens
@@ -277,11 +269,7 @@ class _RBLNScheduling:
             ]
             context = sum(r.num_computed_tokens for r in rows) // max(1, len(rows))
             running = max(1, self._running_count)
-            batch = self._decode_batch(running)
-            if policy.draft_model:
-                wanted = policy.wants_drafts(running, batch, context)
-            else:
-                wanted = policy.verify_pays([policy.k] * running, batch, context)
+            wanted = policy.wants_drafts(running, self._decode_batch(running), context)
             scheduler_output.num_spec_tokens_to_schedule = policy.k if wanted else 0
         super()._update_after_schedule(scheduler_output)
 

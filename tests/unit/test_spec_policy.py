@@ -63,14 +63,14 @@ def artifact(tmp_path: Path) -> Path:
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
-def test_an_engine_with_ngram_is_sized_for_drafts_and_schedules_async(artifact) -> None:
+def test_an_engine_with_ngram_is_sized_for_drafts_and_runs_synchronously(artifact) -> None:
     config = Harness(artifact, speculative_config=NGRAM).config
     sched = config.scheduler_config
-    assert sched.async_scheduling is True  # vLLM turned it off for ngram, rbln-ray on
+    assert sched.async_scheduling is False
     assert sched.max_num_batched_tokens >= 4 * (1 + 3)  # every row's token and drafts
-    assert sched.scheduler_cls.endswith("RBLNAsyncScheduler")
-    sync = Harness(artifact, speculative_config=NGRAM, additional_config={"rbln_spec_async": False})
-    assert sync.config.scheduler_config.async_scheduling is False
+    assert sched.scheduler_cls.endswith("RBLNScheduler")
+    # vLLM re-checks the config in the engine process: async scheduling with ngram raises
+    config.__post_init__()
 
 
 @pytest.mark.parametrize(

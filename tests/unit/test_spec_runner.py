@@ -84,12 +84,8 @@ class SpecEngine(Engine):
 
     def __init__(self, artifact: Path, policy: str = "always", **engine) -> None:
         engine.setdefault("speculative_config", {"method": "ngram", "num_speculative_tokens": K})
-        asynchronous = engine.pop("async_scheduling", False)
-        engine.setdefault(
-            "additional_config", {"rbln_spec_policy": policy, "rbln_spec_async": asynchronous}
-        )
+        engine.setdefault("additional_config", {"rbln_spec_policy": policy})
         super().__init__(artifact, **engine)
-        assert self.config.scheduler_config.async_scheduling is asynchronous
         from rbln_ray.compile.artifact import CompiledArtifact
         from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner, Speculator
         from rbln_ray.vllm_plugin.platform import block_layout
@@ -115,9 +111,7 @@ class SpecEngine(Engine):
             for out in outputs.outputs:
                 self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
         drafts = self.runner.take_draft_token_ids()
-        if drafts is not None and not self.config.scheduler_config.async_scheduling:
-            # vLLM's synchronous post-step; with async scheduling the worker keeps its
-            # drafts and fills the placeholders vLLM schedules
+        if drafts is not None:
             self.scheduler.update_draft_token_ids(drafts)
 
 
@@ -128,11 +122,8 @@ def artifact(request, tmp_path: Path) -> Path:
     return write_artifact(tmp_path, spec_tokens=K, **request.param)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_mixed_batch_with_partial_acceptance_matches_the_reference(
-    artifact: Path, async_scheduling: bool
-) -> None:
-    engine = SpecEngine(artifact, async_scheduling=async_scheduling)
+def test_mixed_batch_with_partial_acceptance_matches_the_reference(artifact: Path) -> None:
+    engine = SpecEngine(artifact, async_scheduling=False)
     for req_id, prompt in PROMPTS.items():
         engine.add(req_id, prompt, LENGTHS[req_id] + 10)
     outputs = engine.drive()
@@ -147,11 +138,8 @@ def test_mixed_batch_with_partial_acceptance_matches_the_reference(
     assert "verify" in engine.kinds and engine.scheduler.spec_policy.observed > 0
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_windows_near_the_compiled_length_are_front_padded(
-    artifact: Path, async_scheduling: bool
-) -> None:
-    engine = SpecEngine(artifact, async_scheduling=async_scheduling)
+def test_windows_near_the_compiled_length_are_front_padded(artifact: Path) -> None:
+    engine = SpecEngine(artifact, async_scheduling=False)
     prompt = list(range(10, 10 + MAX_LEN - 8))
     engine.add("edge", prompt, max_tokens=8)  # ends exactly at the compiled max_seq_len
     engine.add("short", [5, 6, 7], max_tokens=20)
@@ -175,15 +163,12 @@ def test_prefix_hits_stay_exact_with_speculation(artifact: Path) -> None:
     assert outputs["b"] == reference(shared + [2, 3], 12)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_auto_policy_decodes_when_drafts_are_rejected(
-    artifact: Path, async_scheduling: bool
-) -> None:
+def test_auto_policy_decodes_when_drafts_are_rejected(artifact: Path) -> None:
     """Drafts that are never right: once their acceptance is measured the policy stops
     verifying and decodes (setting the drafts aside as shadows, which keep being measured),
     and outputs stay exact. Costs injected: a verify call costs what a decode call does (an
     ATOM at small batch), so any acceptance above ~5% would pay."""
-    engine = SpecEngine(artifact, policy="auto", async_scheduling=async_scheduling)
+    engine = SpecEngine(artifact, policy="auto", async_scheduling=False)
     policy = engine.scheduler.spec_policy
     policy.prior = lambda kind, batch, context, width: 1.0
     policy.observe_step = lambda info: None
@@ -211,8 +196,8 @@ def test_take_draft_token_ids_hands_each_step_s_drafts_once(artifact: Path) -> N
 
 
 def test_grammar_masks_land_on_the_rows_the_runner_verified() -> None:
-    """vLLM lays the grammar bitmask out for the scheduler's drafts; the runner verifies
-    fewer (async placeholders it had no proposal for, drafts the grammar rejected): each
+    """vLLM lays the grammar bitmask out for the scheduler's drafts, where a draft the
+    grammar rejected is ``-1``; the runner verifies the drafts before it only: each
     request's first rows must get its first masks, the other request none."""
     import numpy as np
     from vllm.v1.core.sched.output import GrammarOutput
@@ -221,15 +206,13 @@ def test_grammar_masks_land_on_the_rows_the_runner_verified() -> None:
 
     vocab = 64
     runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["free", "json"]))
-    so = SimpleNamespace(scheduled_spec_decode_tokens={"free": [-1, -1], "json": [-1, -1]})
+    so = SimpleNamespace(scheduled_spec_decode_tokens={"free": [9, -1], "json": [9, -1]})
     masks = np.zeros((3, vocab // 32), dtype=np.int32)  # json's three rows: one token each
     for row, token in enumerate((5, 40, 7)):
         masks[row, token // 32] = 1 << (token % 32)
     grammar = GrammarOutput(structured_output_request_ids=["json"], grammar_bitmask=masks)
-    logits = torch.zeros(2 + 2, vocab)  # free: one draft verified; json: one draft
+    logits = torch.zeros(2 + 2, vocab)  # each request: one draft verified, then its bonus
     out = RBLNModelRunner._apply_grammar(runner, so, grammar, logits, [[9], [9]])
     assert torch.isfinite(out[:2]).all()  # free: unmasked
     assert out[2].isfinite().nonzero().flatten().tolist() == [5]
     assert out[3].isfinite().nonzero().flatten().tolist() == [40]
-    decode = RBLNModelRunner._apply_grammar(runner, so, grammar, torch.zeros(2, vocab), [[], []])
-    assert decode[1].isfinite().nonzero().flatten().tolist() == [5]

@@ -5,13 +5,11 @@ results. The references are independent: transformers' greedy ``generate`` on th
 weights (never rbln-ray against itself) and, for random sampling, the target model's own
 next-token distributions computed with transformers.
 
-- ngram (prompt lookup) on the trained demo model, whose greedy Python repeats itself
+- ngram (prompt lookup) on the trained demo model, whose greedy Python copies its context
   (drafts accepted and rejected): continuous batching on a batch-4 artifact, a prompt over
   one prefill chunk, two prompts sharing a 256-token prefix (prefix caching); with the
-  policy forced on (async scheduling, the default: the worker fills vLLM's draft
-  placeholders; and synchronous: the engine takes the drafts after each step), with the
-  default ``auto`` policy, with speculation off (the plain RBLN path), and on the Ray
-  executor (async);
+  policy forced on, with the default ``auto`` policy, with speculation off (the plain RBLN
+  path), and on the Ray executor (``take_draft_token_ids`` from the step results);
 - draft_model: a perturbed copy of the tiny Llama (partial acceptance) and the target's own
   HF directory (every draft accepted), both compiled on first use with the target's KV
   geometry;
@@ -81,13 +79,11 @@ def code_prompts(hf_dir) -> list[list[int]]:
     ]
 
 
-def spec_run(
-    model, spec: dict | None, requests, policy: str = "always", sync: bool = False, **extra
-) -> dict:
+def spec_run(model, spec: dict | None, requests, policy: str = "always", **extra) -> dict:
     kwargs: dict = {"disable_log_stats": False}
     if spec is not None:
         kwargs["speculative_config"] = spec
-        kwargs["additional_config"] = {"rbln_spec_policy": policy, "rbln_spec_async": not sync}
+        kwargs["additional_config"] = {"rbln_spec_policy": policy}
     kwargs.update(extra.pop("llm_kwargs", {}))
     return {
         "model": str(model),
@@ -126,7 +122,6 @@ def results() -> dict:
     }
     runs = {
         "ngram": spec_run(demo, ngram, greedy),
-        "sync": spec_run(demo, ngram, greedy, sync=True),
         "auto": spec_run(demo, ngram, greedy, policy="auto"),
         "plain": spec_run(demo, None, greedy),
         "ray": spec_run(
@@ -170,7 +165,7 @@ def accepted(result: dict) -> tuple[int, int]:
     return m["vllm:spec_decode_num_accepted_tokens"], m["vllm:spec_decode_num_draft_tokens"]
 
 
-@pytest.mark.parametrize("run", ["ngram", "sync", "auto", "plain"])
+@pytest.mark.parametrize("run", ["ngram", "auto", "plain"])
 def test_ngram_greedy_equals_transformers(run: str) -> None:
     r = results()
     result = r["runs"][run]

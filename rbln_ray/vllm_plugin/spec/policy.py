@@ -54,10 +54,6 @@ class SpecStepInfo:
     draft_s: float = 0.0  # seconds the draft model spent proposing for the next step
     host_s: float = 0.0  # host seconds of rejection sampling and proposing
     draft_calls: int = 0
-    # async scheduling: (drafts, accepted) of proposals no step verified, measured against
-    # the tokens produced (shadow acceptance), and each request's drafts padded with -1
-    shadow: list[tuple[int, int]] = field(default_factory=list)
-    padded: dict[str, int] = field(default_factory=dict)
 
 
 # (kind, batch, context, width) -> seconds, from the cost model
