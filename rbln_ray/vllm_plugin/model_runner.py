@@ -517,8 +517,7 @@ class RBLNModelRunner:
     ) -> _VerifyStep:
         """A verify step's inputs: per row the last sampled token and its drafts, ``width``
         positions from the last sampled token's (back-padded by repeating the last real
-        token; front-padded near ``max_model_len``); padding rows on the scratch block.
-        A draft the grammar rejected (``-1``) ends the row's drafts: it is never accepted."""
+        token; front-padded near ``max_model_len``); padding rows on the scratch block."""
         if self.spec is None:
             raise RuntimeError("a verify step on a runner without speculative decoding")
         width = plan.width
@@ -535,10 +534,9 @@ class RBLNModelRunner:
             state = self.requests[r]
             n = state.num_tokens - 1  # the last sampled token's position (no KV yet)
             mine = list(so.scheduled_spec_decode_tokens.get(r, ()))[: width - 1]
-            mine = mine[: next((i for i, d in enumerate(mine) if d < 0), len(mine))]
             f = max(0, n + width - limit)
             ids = [state.get_token_id(p) for p in range(n - f, n + 1)]
-            ids += mine
+            ids += [max(0, d) for d in mine]  # a -1 draft (never accepted) as a valid id
             ids += [ids[-1]] * (width - len(ids))
             rows.append((n - f, ids, self._table_row(plan.tables[r]), r))
             front[r], drafts[r] = f, mine
@@ -638,7 +636,9 @@ class RBLNModelRunner:
             # penalties and bad words see the drafts (vLLM's sampling metadata)
             vllm_internals.set_spec_tokens(batch, self.requests[req_id], mine)
         if grammar_output is not None:
-            logits = self._apply_grammar(so, grammar_output, logits, drafts)
+            from vllm.v1.structured_output.utils import apply_grammar_bitmask
+
+            apply_grammar_bitmask(so, grammar_output, batch, logits)
         md = spec_metadata(drafts)
         out = self.rejection_sampler(md, None, logits, batch.sampling_metadata)
         tokens, logprobs = RejectionSampler.parse_output(
@@ -653,33 +653,6 @@ class RBLNModelRunner:
             max(0, len(t) - 1) for t, d in zip(tokens, drafts, strict=True) if d
         )
         return tokens, logprobs
-
-    def _apply_grammar(
-        self,
-        so: SchedulerOutput,
-        grammar_output: GrammarOutput,
-        logits: torch.Tensor,
-        drafts: list[list[int]],
-    ) -> torch.Tensor:
-        """vLLM's grammar bitmask on ``logits`` (per request in batch order, ``1 + len(drafts)``
-        rows). The bitmask is laid out for the scheduler's drafts, which may be more than the
-        runner verified (a ``-1``, a draft the grammar rejected, ends a row's drafts): the
-        rows are placed in that layout, masked, and taken back."""
-        from vllm.v1.structured_output.utils import apply_grammar_bitmask
-
-        req_ids = self.input_batch.req_ids
-        spec = so.scheduled_spec_decode_tokens
-        widths = [1 + len(spec.get(r, ())) for r in req_ids]
-        mine = [1 + len(d) for d in drafts]
-        if widths == mine:
-            apply_grammar_bitmask(so, grammar_output, self.input_batch, logits)
-            return logits
-        starts = [sum(widths[:i]) for i in range(len(widths))]
-        index = torch.tensor([s + j for s, n in zip(starts, mine, strict=True) for j in range(n)])
-        laid = logits.new_zeros(sum(widths), logits.shape[1])
-        laid[index] = logits
-        apply_grammar_bitmask(so, grammar_output, self.input_batch, laid)
-        return laid[index]
 
     def _verify(self, step: _VerifyStep):
         """Run a verify step; its logits in vLLM's flat layout (per request in batch order:

@@ -12,7 +12,6 @@ rejected drafts; greedy outputs must equal the reference exactly.
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -193,26 +192,3 @@ def test_take_draft_token_ids_hands_each_step_s_drafts_once(artifact: Path) -> N
     assert drafts.req_ids == ["x"] and len(drafts.draft_token_ids[0]) == K
     assert result.rbln_drafts is drafts and result.rbln_spec.kind == "prefill"
     assert engine.runner.take_draft_token_ids() is None
-
-
-def test_grammar_masks_land_on_the_rows_the_runner_verified() -> None:
-    """vLLM lays the grammar bitmask out for the scheduler's drafts, where a draft the
-    grammar rejected is ``-1``; the runner verifies the drafts before it only: each
-    request's first rows must get its first masks, the other request none."""
-    import numpy as np
-    from vllm.v1.core.sched.output import GrammarOutput
-
-    from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner
-
-    vocab = 64
-    runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["free", "json"]))
-    so = SimpleNamespace(scheduled_spec_decode_tokens={"free": [9, -1], "json": [9, -1]})
-    masks = np.zeros((3, vocab // 32), dtype=np.int32)  # json's three rows: one token each
-    for row, token in enumerate((5, 40, 7)):
-        masks[row, token // 32] = 1 << (token % 32)
-    grammar = GrammarOutput(structured_output_request_ids=["json"], grammar_bitmask=masks)
-    logits = torch.zeros(2 + 2, vocab)  # each request: one draft verified, then its bonus
-    out = RBLNModelRunner._apply_grammar(runner, so, grammar, logits, [[9], [9]])
-    assert torch.isfinite(out[:2]).all()  # free: unmasked
-    assert out[2].isfinite().nonzero().flatten().tolist() == [5]
-    assert out[3].isfinite().nonzero().flatten().tolist() == [40]
