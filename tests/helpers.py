@@ -301,3 +301,31 @@ def count_refills(history: list) -> int:
         if kind == "prefill"
         and any(min(v) < step < max(v) for r, v in decode_steps.items() if r != ids[0])
     )
+
+
+def perturbed_model(src: Path, scale: float, seed: int = 1) -> Path:
+    """A copy of the HF model ``src`` with Gaussian noise of ``scale`` x each weight's std
+    added to every decoder-layer weight (cached): a draft model that agrees with ``src`` on
+    most, not all, greedy tokens."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rbln_ray.common.paths import atomic_dir, cache_dir
+
+    out = cache_dir() / "models" / f"{Path(src).name}-noise{scale:g}-s{seed}"
+    if (out / "config.json").exists():
+        return out
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".layers." in name and param.dim() == 2:
+                param.add_(torch.randn(param.shape, generator=gen) * param.std() * scale)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        for f in Path(src).iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(f, tmp / f.name)
+    return out

@@ -14,6 +14,10 @@ from pathlib import Path
 RBLN_CONFIG = "rbln_config.json"  # optimum-rbln's compiled directory
 PIPELINE_MANIFEST = "rbln_pipeline.json"  # a staged directory (rbln_ray.pipeline)
 HF_CONFIG = "config.json"  # a Hugging Face model directory's (kept in a compiled one too)
+# Speculative decoding's verify graphs (rbln_ray.compile.spec_graphs): a manifest beside
+# optimum's files, the graphs in a subdirectory (optimum warns about unknown top-level .rbln)
+SPEC_MANIFEST = "rbln_spec.json"
+SPEC_DIR = "spec"
 
 
 def architectures(model_dir: str | Path) -> list[str]:

@@ -60,9 +60,11 @@ _VARS = (
     EnvVar("RBLN_RAY_EMULATOR_THREADS", _positive_int, None,
            "torch threads for one emulated device call (default: leave torch's setting)"),
     EnvVar("RBLN_RAY_EMULATOR_MODE", _lower, "compute",
-           "compute (real results, CPU speed) or timing (results plus modelled device time)"),
+           "compute (real results, CPU speed), timing (zero results, modelled device time) or "
+           "modelled (real results, then the rest of the modelled device time)"),
     EnvVar("RBLN_RAY_TIMING_SHAPE", str, None,
-           "timing mode: the model shape to cost (a preset name or an HF config.json path)"),
+           "timing/modelled mode: the model shape to cost (a preset name, an HF config.json "
+           "path or JSON), or per compiled directory '<dir>=<shape>;<dir>=<shape>'"),
     EnvVar("RBLN_RAY_TIMING_PEAK_TFLOPS", float, None, "timing mode: device peak TFLOPS"),
     EnvVar("RBLN_RAY_TIMING_DRAM_GBPS", float, None, "timing mode: device DRAM GB/s"),
     EnvVar("RBLN_RAY_TIMING_COMPUTE_EFF", float, None, "timing mode: achieved compute share"),

@@ -15,6 +15,7 @@ from rbln_ray.common.artifact_files import PIPELINE_MANIFEST, RBLN_CONFIG
 from rbln_ray.compile.encoders import EncoderArtifact
 from rbln_ray.compile.lora import LoRAInfo
 from rbln_ray.compile.quantization import QuantSpec
+from rbln_ray.compile.spec_graphs import VerifyGraph, read_manifest
 from rbln_ray.families.registry import (
     DecoderFamily,
     encoder_for_dir,
@@ -66,6 +67,8 @@ class CompiledArtifact:
     dtype: str = "float32"  # what the compiled graphs compute in (optimum's rbln_config dtype)
     lora: LoRAInfo | None = None  # compiled-in LoRA adapters (rbln_ray.compile.lora)
     quantization: QuantSpec | None = None  # quantized weights / KV (compile.quantization)
+    # Speculative decoding's verify graphs (rbln_ray.compile.spec_graphs), if compiled.
+    verify_graphs: tuple[VerifyGraph, ...] = ()
     # Some layers keep a per-sequence state in one row per compiled batch slot (Qwen3.5's
     # linear attention, optimum's linear_attention_layers): a prefill names the row
     # (batch_idx) and every decode step runs the full batch, device row i on state row i.
@@ -90,6 +93,17 @@ class CompiledArtifact:
     def is_multimodal(self) -> bool:
         """Prompts may carry images (a compiled vision-language model)."""
         return bool(self.vision_family)
+
+    @property
+    def spec_tokens(self) -> int:
+        """Draft tokens one verify call scores per sequence at every compiled decode batch
+        (0: no verify graphs)."""
+        widths = {}
+        for g in self.verify_graphs:
+            widths[g.batch] = max(widths.get(g.batch, 0), g.width)
+        if not widths or set(widths) != set(self.decoder_batch_sizes):
+            return 0
+        return min(widths.values()) - 1
 
     @property
     def blocks_per_seq(self) -> int:
@@ -150,6 +164,7 @@ class CompiledArtifact:
             dtype=raw.get("dtype") or "float32",
             lora=LoRAInfo.from_rbln_config(raw.get("lora_config")),
             quantization=QuantSpec.from_rbln_config(raw.get("quantization")),
+            verify_graphs=read_manifest(path),
             state_slots=bool(raw.get("linear_attention_layers")),
         )
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rbln_ray.compile import lora, quantization
 from rbln_ray.compile.settings import TRANSLATED, CompileSettings
+from rbln_ray.compile.spec_graphs import SpecGraphError
 from rbln_ray.families.registry import (
     DecoderFamily,
     EncoderFamily,
@@ -49,6 +50,12 @@ def compile_model(hf_dir: str | Path, out_dir: str | Path, settings: CompileSett
     for caveat in family.caveats(hf_config):
         logger.warning("%s (%s): %s", hf_dir, family.architecture, caveat)
     rbln_extra, hf_kwargs = family.compile_options(hf_config)
+    if settings.spec_tokens and family.sliding_window_used(hf_config):
+        raise CompileConfigError(
+            f"spec_tokens={settings.spec_tokens}: {hf_dir} ({family.architecture}) compiles "
+            "sliding-window layers, whose decode graphs write one token per call; "
+            "speculative decoding's verify graphs need several"
+        )
     quant = quantization.for_compile(hf_dir, family, hf_config, settings)
     adapters = lora.for_compile(hf_dir, family, hf_config, settings, quant is not None)
     if quant is not None:
@@ -57,6 +64,8 @@ def compile_model(hf_dir: str | Path, out_dir: str | Path, settings: CompileSett
         rbln_extra["lora_config"] = lora.stage_adapters(adapters, Path(out_dir))
     try:
         return compile_hf_model(hf_dir, out_dir, settings, extra=rbln_extra, hf_kwargs=hf_kwargs)
+    except SpecGraphError as exc:
+        raise CompileConfigError(f"spec_tokens={settings.spec_tokens}: {exc}") from None
     except (ValueError, NotImplementedError) as exc:
         # optimum-rbln validates its config (rbln_config classes, _update_rbln_config,
         # attention and sliding-window limits) with ValueError / NotImplementedError.
@@ -81,11 +90,22 @@ def compile_directory(
     problem (an unsupported architecture before any weights load, a setting that does not
     apply to the model's kind, or optimum-rbln's own rejection)."""
     family = family_for_dir(hf_dir)  # raises naming the supported architectures
+    if settings.spec_tokens and (not isinstance(family, DecoderFamily) or pipeline_stages > 1):
+        what = "a pipeline" if pipeline_stages > 1 else f"{family.architecture} ({family.kind})"
+        raise CompileConfigError(
+            f"spec_tokens={settings.spec_tokens}: speculative decoding's verify graphs are "
+            f"compiled for single-stage decoders only, not for {what}"
+        )
     translated = [k for k in TRANSLATED if getattr(settings, k) is not None]
     if translated and (pipeline_stages > 1 or not isinstance(family, DecoderFamily)):
         what = f"{pipeline_stages}-stage pipelines" if pipeline_stages > 1 else family.architecture
         raise CompileConfigError(
             f"{', '.join(translated)}: compiled for single-stage decoders only, not {what}"
+        )
+    if settings.spec_tokens and translated:
+        raise CompileConfigError(
+            f"spec_tokens={settings.spec_tokens} with {', '.join(translated)}: verify graphs "
+            "are not compiled for quantized or LoRA artifacts yet"
         )
     if pipeline_stages > 1 and not isinstance(family, DecoderFamily):
         raise CompileConfigError(

@@ -4,16 +4,21 @@ Why: engines given an HF directory, the CLI, tests and demos need compiled artif
 RBLN host and under the emulator alike; going through optimum's real
 ``from_pretrained(export=True)`` + ``save_pretrained`` keeps the artifact identical in layout
 to one compiled on an RBLN host (only the ``.rbln`` payloads differ under the emulator).
+With ``spec_tokens`` set, speculative decoding's verify graphs are compiled inside the same
+optimum compile (:mod:`rbln_ray.compile.spec_graphs`) and saved beside optimum's files.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from rbln_ray.compile import spec_graphs
 from rbln_ray.compile.settings import CompileSettings
 from rbln_ray.emulator.switch import require_runtime
+from rbln_ray.upstream import optimum_internals
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +42,16 @@ def compile_hf_model(
     kwargs = settings.rbln_kwargs(**(extra or {}))
     kwargs.update(hf_kwargs or {})
     logger.info("compiling %s -> %s (%s)", hf_dir, out_dir, kwargs)
-    model = RBLNAutoModelForCausalLM.from_pretrained(str(hf_dir), export=True, **kwargs)
+    verify: dict[str, Any] = {}
+    with ExitStack() as stack:
+        if settings.spec_tokens:
+            cls = optimum_internals.decoder_class(hf_dir)
+            build = spec_graphs.build_verify_graphs(settings.spec_tokens)
+            stack.enter_context(optimum_internals.extra_graphs(cls, build, verify))
+        model = RBLNAutoModelForCausalLM.from_pretrained(str(hf_dir), export=True, **kwargs)
     out = Path(out_dir)
     model.save_pretrained(out)
     del model
+    if settings.spec_tokens:
+        spec_graphs.save_verify_graphs(out, verify, settings.spec_tokens)
     return out

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 # max_seq_len when neither the user nor the artifact says: the model's context, capped here
 DEFAULT_MAX_SEQ_LEN_CAP = 4096
+# Settings rbln-ray compiles itself (graphs beside optimum's), never passed to optimum.
+OWN_SETTINGS = ("spec_tokens",)
 
 
 # Settings rbln-ray translates into optimum's own (quantization, lora_config) after checking
@@ -76,6 +78,14 @@ class CompileSettings(BaseModel):
         "requests choose one by name",
     )
 
+    spec_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=32,
+        description="speculative decoding: also compile verify graphs that score this many "
+        "draft tokens (+1) per sequence in one decode call, for every decode batch",
+    )
+
     @field_validator("decoder_batch_sizes", mode="before")
     @classmethod
     def _sizes(cls, value: Any) -> Any:
@@ -128,7 +138,7 @@ class CompileSettings(BaseModel):
         a setting left at None is left out, so optimum's default applies."""
         if self.max_seq_len is None:
             raise CompileSettingsError("max_seq_len is not set (see with_max_seq_len)")
-        values = {**self.model_dump(exclude=set(TRANSLATED)), **extra}
+        values = {**self.model_dump(exclude={*OWN_SETTINGS, *TRANSLATED}), **extra}
         if values.get("decoder_batch_sizes") is not None:
             values["decoder_batch_sizes"] = list(values["decoder_batch_sizes"])
         return {k: v for k, v in values.items() if v is not None}

@@ -24,8 +24,9 @@ class CallRecord:
     start: float  # time.perf_counter() at entry
     end: float
     modelled_s: float | None  # None in compute mode
-    kind: str  # "prefill", "decode" or "copy"
+    kind: str  # "prefill", "decode", "verify" (several tokens per row, a decode graph) or "copy"
     batch: int
+    graph: str = ""  # the compiled directory the graph belongs to (a draft model's vs a target's)
 
 
 class Recorder:
@@ -37,18 +38,26 @@ class Recorder:
         self.total_calls = 0
         self.total_seconds = 0.0
         self.total_modelled = 0.0
+        # modelled mode: calls whose real compute took longer than the modelled device time
+        # (the call then lasted its compute time, not the model's)
+        self.overrun_calls = 0
+        self.overrun_seconds = 0.0
 
-    def add(self, rec: CallRecord) -> None:
+    def add(self, rec: CallRecord, overrun_s: float = 0.0) -> None:
         with self._lock:
             self.calls.append(rec)
             self.total_calls += 1
             self.total_seconds += rec.end - rec.start
             self.total_modelled += rec.modelled_s or 0.0
+            if overrun_s > 0:
+                self.overrun_calls += 1
+                self.overrun_seconds += overrun_s
 
     def reset(self) -> None:
         with self._lock:
             self.calls.clear()
             self.total_calls, self.total_seconds, self.total_modelled = 0, 0.0, 0.0
+            self.overrun_calls, self.overrun_seconds = 0, 0.0
 
     def snapshot(self) -> dict[str, Any]:
         import torch
@@ -61,6 +70,8 @@ class Recorder:
                 "total_calls": self.total_calls,
                 "total_seconds": self.total_seconds,
                 "total_modelled_seconds": self.total_modelled,
+                "overrun_calls": self.overrun_calls,
+                "overrun_seconds": self.overrun_seconds,
                 "calls": [asdict(c) for c in self.calls],
             }
 
@@ -78,16 +89,34 @@ def reset(*_: Any) -> bool:
     return True
 
 
-def describe(inputs: tuple[Any, ...]) -> tuple[str, int, int]:
-    """(kind, batch, tokens per row) of a call from its first input ``[batch, tokens]``."""
+def describe(inputs: tuple[Any, ...], decode_graph: bool = False) -> tuple[str, int, int]:
+    """(kind, batch, tokens per row) of a call from its first input ``[batch, tokens]``.
+
+    ``decode_graph``: the graph takes a block table per row (a decode graph); several tokens
+    per row are then a speculative-decoding verify call, else a prefill chunk."""
     first = inputs[0]
     batch, length = (int(first.shape[0]), int(first.shape[1])) if first.dim() >= 2 else (1, 1)
-    return ("decode" if length == 1 else "prefill"), batch, length
+    if length == 1:
+        return "decode", batch, length
+    return ("verify" if decode_graph else "prefill"), batch, length
 
 
-def record_call(start: float, inputs: tuple[Any, ...], modelled_s: float | None = None) -> None:
-    kind, batch, _ = describe(inputs)
-    RECORDER.add(CallRecord(start, time.perf_counter(), modelled_s, kind, batch))
+def is_decode_graph(input_info: list[tuple[str, Any, Any]]) -> bool:
+    """Whether a compiled graph takes one block-table row per sequence (``[B, blocks]``)."""
+    return any(n == "block_tables" and len(shape) == 2 for n, shape, _ in input_info)
+
+
+def record_call(
+    start: float,
+    inputs: tuple[Any, ...],
+    modelled_s: float | None = None,
+    *,
+    decode_graph: bool = False,
+    graph: str = "",
+    overrun_s: float = 0.0,
+) -> None:
+    kind, batch, _ = describe(inputs, decode_graph)
+    RECORDER.add(CallRecord(start, time.perf_counter(), modelled_s, kind, batch, graph), overrun_s)
 
 
 def record_copy(start: float, modelled_s: float | None = None) -> None:

@@ -224,8 +224,13 @@ class Runtime(KVHostTransfer):
             for variant in compiled_model.input_variants
         ]
         self.physical_devices = physical
-        # Timing mode (see rbln_ray.emulator.timing): sleep the modelled latency, zero outputs.
-        self._timing = timing.GraphTiming(compiled_model) if timing.timing_enabled() else None
+        # Timing mode (see rbln_ray.emulator.timing): sleep the modelled latency, zero outputs;
+        # modelled mode: compute, then sleep the rest of the modelled latency.
+        mode = timing.emulator_mode()
+        self._modelled = mode == "modelled"
+        self._timing = timing.GraphTiming(compiled_model) if mode != "compute" else None
+        self._decode_graph = call_log.is_decode_graph(compiled_model.input_info)
+        self._graph = timing.compiled_dir_name(compiled_model)
         logger.debug("emulated runtime on devices %s (node %s)", physical, node)
 
     def __call__(self, *inputs: torch.Tensor, out: Any = None, **named: torch.Tensor) -> Any:
@@ -273,13 +278,18 @@ class Runtime(KVHostTransfer):
         self._check_shapes(inputs)
         targets = None if out is None else out if isinstance(out, (list, tuple)) else [out]
         start = time.perf_counter()
-        if self._timing is not None:
+        if self._timing is not None and not self._modelled:
             outputs = self._timing.run(self._module, inputs, self._kv, start, targets)
         else:
             with torch.no_grad(), threads.device_threads():
                 result = self._module(*inputs, *self._kv)
             outputs = graph_outputs(result)
-            call_log.record_call(start, inputs)
+            if self._timing is not None:  # modelled: the rest of the modelled device time
+                self._timing.finish_modelled(inputs, start)
+            else:
+                call_log.record_call(
+                    start, inputs, decode_graph=self._decode_graph, graph=self._graph
+                )
         computed = time.perf_counter()
         if targets is not None:
             if len(targets) != len(outputs):
@@ -343,13 +353,16 @@ class Runtime(KVHostTransfer):
             check_blocks(op, name, buf, (src, dst))
             check_slots(op, name, buf, 0, length)
         start = time.perf_counter()
-        if self._timing is not None:
+        if self._timing is not None and not self._modelled:
             self._timing.sleep_copy(length, start)
             return
         if src != dst and length > 0:
             for buf in buffers.values():
                 buf[dst, ..., :length, :] = buf[src, ..., :length, :]
-        call_log.record_copy(start)
+        if self._timing is not None:
+            self._timing.sleep_copy(length, start)
+        else:
+            call_log.record_copy(start)
 
     @property
     def kv_buffers(self) -> dict[str, torch.Tensor]:
@@ -362,5 +375,7 @@ class Runtime(KVHostTransfer):
         }
 
     def __repr__(self) -> str:
-        mode = "timing" if self._timing is not None else "emulated"
+        mode = "emulated"
+        if self._timing is not None:
+            mode = "modelled" if self._modelled else "timing"
         return f"<rebel.Runtime ({mode}) devices={self.physical_devices} {self._cm!r}>"

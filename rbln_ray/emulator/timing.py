@@ -15,7 +15,17 @@ on by default, it logs a warning in every process that enables it, and ``Runtime
 
 The cost model (formula, device parameters, overrides) is :mod:`rbln_ray.npu.cost_model`,
 the same one ``rbln-ray plan`` uses; ``RBLN_RAY_TIMING_SHAPE`` models the latency of a preset
-(e.g. ``llama-3-8b``) or a JSON shape instead of the compiled graph's own config.
+(e.g. ``llama-3-8b``) or a JSON shape instead of the compiled graph's own config, for every
+graph or per compiled directory (``"<dir name>=llama-3-8b;<draft dir>=llama-3.2-1b"``: a
+target and its speculative-decoding draft model in one process).
+
+**Modelled mode** (``RBLN_RAY_EMULATOR_MODE=modelled``) computes every call as compute mode
+does (real outputs, real KV writes) and then sleeps until the modelled device time of the
+call has passed since it started: outputs are the model's and the wall time is the modelled
+device's, as long as the host computes the (small) graph faster than the modelled device
+would run the modelled model. Calls where it does not are counted (``overrun_calls``,
+``overrun_seconds`` in the call log): a benchmark reports them. Speculative decoding needs it:
+its speed depends on how many drafts the real model accepts, which zero outputs cannot tell.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from typing import Any
 
 from rbln_ray.common import envs
 from rbln_ray.common.artifact_files import PIPELINE_MANIFEST, RBLN_CONFIG
-from rbln_ray.emulator.call_log import describe, record_call, record_copy
+from rbln_ray.emulator.call_log import describe, is_decode_graph, record_call, record_copy
 from rbln_ray.emulator.compiled_model import graph_outputs
 from rbln_ray.npu.cost_model import (
     PRESETS,
@@ -49,19 +59,35 @@ logger = logging.getLogger(__name__)
 _WARNED = False
 
 
-def timing_enabled() -> bool:
-    """Whether emulated runtimes sleep the modelled latency instead of computing."""
+MODES = ("compute", "timing", "modelled")
+
+
+def emulator_mode() -> str:
+    """``compute`` (real outputs at host speed), ``timing`` (modelled device time, zero
+    outputs) or ``modelled`` (real outputs, then the rest of the modelled device time)."""
     global _WARNED
     value = envs.get("RBLN_RAY_EMULATOR_MODE")
-    if value not in ("compute", "timing"):
-        raise envs.EnvError(f"RBLN_RAY_EMULATOR_MODE={value!r}; expected 'compute' or 'timing'")
+    if value not in MODES:
+        raise envs.EnvError(f"RBLN_RAY_EMULATOR_MODE={value!r}; expected one of {', '.join(MODES)}")
     if value == "timing" and not _WARNED:
         _WARNED = True
         logger.warning(
             "rebel emulator in TIMING mode: device calls sleep the modelled device latency and "
             "return zeros; generated tokens are NOT the model's output"
         )
-    return value == "timing"
+    elif value == "modelled" and not _WARNED:
+        _WARNED = True
+        logger.warning(
+            "rebel emulator in MODELLED mode: device calls compute their real outputs, then "
+            "sleep the rest of the modelled device latency (calls that compute longer are "
+            "counted as overruns)"
+        )
+    return value
+
+
+def timing_enabled() -> bool:
+    """Whether emulated runtimes sleep the modelled latency instead of computing."""
+    return emulator_mode() == "timing"
 
 
 # ----------------------------------------------------------------------------- the runtime side
@@ -78,13 +104,15 @@ class GraphTiming:
                 self.shape, num_layers=max(1, round(self.shape.num_layers * share))
             )
         self.num_devices = int(getattr(cm, "num_devices", 1) or 1)
+        self.decode_graph = is_decode_graph(cm.input_info)
+        self.graph = compiled_dir_name(cm)
         names = [name for name, _, _ in cm.input_info]
         self._pos_index = names.index("cache_position") if "cache_position" in names else None
         self._one_logit = "query_position" in names
         self._outputs: list[tuple[tuple[int, ...], Any]] | None = None
 
     def rows(self, inputs: tuple[Any, ...]) -> tuple[list[Row], int, str]:
-        kind, batch, length = describe(inputs)
+        kind, batch, length = describe(inputs, self.decode_graph)
         if self._pos_index is not None:
             starts = inputs[self._pos_index].reshape(batch, -1)[:, 0].tolist()
         else:
@@ -122,12 +150,28 @@ class GraphTiming:
         else:
             outputs = [torch.zeros(s, dtype=d) for s, d in self._outputs]
         sleep_until(start + seconds)
-        record_call(start, inputs, seconds)
+        record_call(start, inputs, seconds, decode_graph=self.decode_graph, graph=self.graph)
         return outputs
 
+    def finish_modelled(self, inputs: tuple[Any, ...], start: float) -> None:
+        """Modelled mode, after a call computed its real outputs: sleep until the modelled
+        device time has passed since ``start`` and log the call (an overrun if the compute
+        took longer)."""
+        seconds = self.cost(inputs).seconds
+        overrun = time.perf_counter() - (start + seconds)
+        sleep_until(start + seconds)
+        record_call(
+            start,
+            inputs,
+            seconds,
+            decode_graph=self.decode_graph,
+            graph=self.graph,
+            overrun_s=max(0.0, overrun),
+        )
+
     def sleep_copy(self, tokens: int, start: float) -> None:
-        """Timing-mode ``_copy_kv_cache``: sleep the modelled copy time (nothing is copied;
-        timing mode never writes the KV cache)."""
+        """Timing-mode ``_copy_kv_cache`` (nothing is copied; timing mode never writes the KV
+        cache), or modelled mode's after the copy: sleep the rest of the modelled copy time."""
         seconds = copy_cost(self.shape, tokens, self.spec)
         sleep_until(start + seconds)
         record_copy(start, seconds)
@@ -166,10 +210,37 @@ def pipeline_stage(cm: Any) -> tuple[float, bool] | None:
     return None
 
 
+def compiled_dir_name(cm: Any) -> str:
+    """The compiled directory a graph belongs to (its ``.rbln`` file's directory, or the one
+    above for a pipeline stage's or a verify graph's subdirectory); "" when unknown."""
+    path = getattr(cm, "path", None)
+    if path is None:
+        return ""
+    for directory in (Path(path).parent, Path(path).parents[1]):
+        if (directory / "config.json").is_file():
+            return directory.name
+    return Path(path).parent.name
+
+
+def timing_shape_override(directory: str) -> str:
+    """``RBLN_RAY_TIMING_SHAPE`` for graphs of ``directory``: the whole value, or in the
+    per-directory form ``"<dir>=<shape>;<dir>=<shape>"`` the entry of that directory name
+    ("" when none matches: the graph's own shape)."""
+    value = (envs.get("RBLN_RAY_TIMING_SHAPE") or "").strip()
+    if "=" not in value.split("{", 1)[0]:
+        return value
+    for entry in value.split(";"):
+        name, _, shape = entry.partition("=")
+        if name.strip() and name.strip() == directory:
+            return shape.strip()
+    return ""
+
+
 def graph_shape(cm: Any) -> ModelShape:
-    """The shape to model: ``RBLN_RAY_TIMING_SHAPE``, else the compiled dir's config.json
-    (a pipeline stage's graphs find it one directory up); either way stored as the artifact
-    stores it (quantized weights, fp8 KV, LoRA adapters: its rbln_config.json)."""
+    """The shape to model: ``RBLN_RAY_TIMING_SHAPE`` (for the graph's directory), else the
+    compiled dir's config.json (a pipeline stage's or verify graph's finds it one up);
+    either way stored as the artifact stores it (quantized weights, fp8 KV, LoRA adapters:
+    its rbln_config.json)."""
     shape = _model_shape(cm)
     path = getattr(cm, "path", None)
     config = Path(path).parent / RBLN_CONFIG if path is not None else None
@@ -179,7 +250,7 @@ def graph_shape(cm: Any) -> ModelShape:
 
 
 def _model_shape(cm: Any) -> ModelShape:
-    override = (envs.get("RBLN_RAY_TIMING_SHAPE") or "").strip()
+    override = timing_shape_override(compiled_dir_name(cm))
     if override:
         return shape_from_spec(override)
     path = getattr(cm, "path", None)

@@ -48,7 +48,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.executor.abstract import Executor
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
 from rbln_ray.common import framing
 from rbln_ray.executor import placement
@@ -183,6 +183,9 @@ class RBLNRayExecutor(Executor):
         self._last_result_at = time.monotonic()
         self._step_reqs: dict[int, list[str]] = {}  # the requests of each step in flight
         self._fail_next: str | None = None  # a step raised: fail at the next step (or idle)
+        # Speculative decoding: the drafts the last step's result carried, for the engine's
+        # take_draft_token_ids (read here, never with a call to the worker's actor)
+        self._drafts: DraftTokenIds | None = None
 
         connect(self.vllm_config)
         artifact = compiled_model(self.vllm_config)
@@ -404,11 +407,21 @@ class RBLNRayExecutor(Executor):
                 self._results[got] = pickle.loads(payload)  # from our own worker
         value = self._results.pop(seq)
         req_ids = self._step_reqs.pop(seq, [])
+        self._drafts = None  # a failed step proposes nothing
         if isinstance(value, _StepFailed):
             return self._failed_step(seq, req_ids, str(value))
         if isinstance(value, BaseException):
             raise value
+        self._drafts = getattr(value, "rbln_drafts", None)
         return value
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:  # type: ignore[override]
+        """Speculative decoding: the drafts proposed after the last step, which its result
+        carried from the worker. vLLM's synchronous engine asks after each step; a Ray call
+        to the worker would cost a round trip and run on an actor thread beside the step
+        loop."""
+        drafts, self._drafts = self._drafts, None
+        return drafts
 
     def _failed_step(self, seq: int, req_ids: list[str], report: str) -> FailedStepOutput:
         """A step raised in a worker: its requests end with an error (they are what made it

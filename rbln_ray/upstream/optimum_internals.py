@@ -7,11 +7,17 @@ is token-exact with an unstaged one and runs on an ATOM unchanged); optimum has 
 "compile these layers" entry, so :mod:`rbln_ray.compile.pipeline_compile` builds the wrapper
 optimum would build (:func:`compile_wrapper`) and :mod:`rbln_ray.compile.stage_graph` reads the
 modules named below. Qwen2-VL's graphs take M-RoPE cos/sin computed on the host by a private
-method of optimum's model (:func:`qwen2_vl_position_embeddings`).
+method of optimum's model (:func:`qwen2_vl_position_embeddings`). Speculative decoding's
+verify graphs are compiled inside optimum's own decoder compile (:func:`extra_graphs`), so
+they share its weights and static KV buffers.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from rbln_ray.upstream.contract import Requirement, Upstream
@@ -23,6 +29,8 @@ PIPELINE_PY = "rbln_ray/compile/pipeline_compile.py"
 STAGE_PY = "rbln_ray/compile/stage_graph.py"
 QWEN2_VL_PY = "rbln_ray/families/qwen2_vl.py"
 RUNNER_PY = "rbln_ray/vllm_plugin/model_runner.py"
+SPEC_PY = "rbln_ray/compile/spec_graphs.py"
+MODELING = f"{DECODER}.modeling_decoderonly:RBLNDecoderOnlyModelForCausalLM"
 
 REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement(
@@ -101,6 +109,56 @@ REQUIREMENTS: tuple[Requirement, ...] = (
             ("qwen3_5.modeling_qwen3_5", "RBLNQwen3_5ForConditionalGeneration"),
         )
     ),
+    # extra_graphs: optimum's decoder compile, hooked for the length of one compile
+    Requirement(f"{MODELING}.get_compiled_model", SPEC_PY, params=("model", "rbln_config")),
+    Requirement(
+        f"{MODELING}.get_compiled_model",
+        SPEC_PY,
+        "source mentions",
+        (
+            "cls._get_compile_context(",
+            "cls._compile_model(",
+            "if rbln_config.is_auto_num_blocks:",
+            "cls.set_kvcache_num_blocks_after_compilation(compiled_models, rbln_config)",
+            "return compiled_models",
+        ),
+    ),
+    Requirement(
+        f"{MODELING}._get_compile_context", SPEC_PY, params=("compile_config", "example_inputs")
+    ),
+    Requirement(
+        f"{MODELING}._compile_model",
+        SPEC_PY,
+        params=(
+            "wrapped_model",
+            "compile_config",
+            "example_inputs",
+            "compile_context",
+            "rbln_config",
+            "quantization",
+            "phase",
+        ),
+    ),
+    Requirement(
+        f"{MODELING}.set_kvcache_num_blocks_after_compilation",
+        SPEC_PY,
+        params=("compiled_models", "rbln_config"),
+    ),
+    Requirement(
+        f"{MODELING}.get_input_info",
+        SPEC_PY,
+        params=("batch_size", "query_length", "rbln_config", "model_config"),
+    ),
+    Requirement(
+        "optimum.rbln.configuration_utils:RBLNCompileConfig.get_dummy_inputs",
+        SPEC_PY,
+        params=("fill", "static_tensors"),
+    ),
+    Requirement(
+        "optimum.rbln.transformers.models.auto.auto_factory:_BaseAutoModelClass.get_rbln_cls",
+        SPEC_PY,
+        params=("pretrained_model_name_or_path",),
+    ),
 )
 
 
@@ -117,3 +175,146 @@ def qwen2_vl_position_embeddings(model: Any, dtype: Any, position_ids: Any) -> A
     import torch
 
     return model._get_position_embeddings(torch.zeros(1, dtype=dtype), position_ids)
+
+
+# extra_graphs changes class attributes of optimum's classes: one compile at a time.
+_EXTRA_GRAPHS = threading.Lock()
+_HOOKED = ("get_compiled_model", "_get_compile_context", "_compile_model")
+_BLOCKS = "set_kvcache_num_blocks_after_compilation"
+
+
+@dataclass
+class GraphCompiler:
+    """What :func:`extra_graphs`' builder gets: optimum's own compile context, static KV
+    tensors and compile-time wrapper of the model being compiled."""
+
+    cls: Any
+    model: Any  # the Hugging Face model
+    rbln_config: Any
+    context: Any
+    static_tensors: dict[str, Any]
+    wrapped: Any
+
+    def input_info(self, batch_size: int, query_length: int) -> list[tuple[str, list[int], str]]:
+        """optimum's input declaration of a graph (``query_length`` > 1 means prefill)."""
+        return self.cls.get_input_info(
+            batch_size=batch_size,
+            query_length=query_length,
+            rbln_config=self.rbln_config,
+            model_config=self.model.config,
+        )
+
+    def compile(self, name: str, input_info: list[tuple[str, list[int], str]], phase: str) -> Any:
+        """Compile the wrapper in ``phase`` for ``input_info`` in optimum's context: the graph
+        shares the other graphs' weights and static KV tensors."""
+        from optimum.rbln.configuration_utils import RBLNCompileConfig
+
+        first = self.rbln_config.compile_cfgs[0]
+        config = RBLNCompileConfig(
+            compiled_model_name=name,
+            input_info=input_info,
+            npu=first.npu,
+            num_devices=first.num_devices,
+        )
+        example = config.get_dummy_inputs(fill=0, static_tensors=self.static_tensors)
+        return self.cls._compile_model(
+            self.wrapped,
+            config,
+            example,
+            self.context,
+            self.rbln_config,
+            self.rbln_config.quantization,
+            phase=phase,
+        )
+
+
+@dataclass
+class _Capture:
+    context: Any = None
+    static_tensors: dict[str, Any] = field(default_factory=dict)
+    wrapped: Any = None
+    added: dict[str, Any] = field(default_factory=dict)
+
+
+def decoder_class(hf_dir: Any) -> Any:
+    """The optimum-rbln class ``RBLNAutoModelForCausalLM`` compiles ``hf_dir`` with."""
+    from optimum.rbln import RBLNAutoModelForCausalLM
+
+    return RBLNAutoModelForCausalLM.get_rbln_cls(str(hf_dir), export=True)
+
+
+@contextmanager
+def extra_graphs(
+    cls: Any, build: Callable[[GraphCompiler], dict[str, Any]], sink: dict[str, Any]
+) -> Iterator[None]:
+    """Inside the block, ``cls.from_pretrained(export=True)`` also compiles the graphs
+    ``build`` returns, in optimum's own compile context, and puts them in ``sink`` (not in
+    optimum's model: optimum's loader requires every graph it lists, so they are saved and
+    loaded beside it).
+
+    When optimum sizes the KV cache itself (``kvcache_num_blocks`` automatic), the graphs
+    are added before it measures the compiled graphs' memory, so their memory is counted and
+    their KV inputs are resized with the others. Four class attributes of ``cls`` are
+    hooked for the block and restored on every exit, error included; compiles of ``cls``
+    in other threads wait (a lock)."""
+    capture = _Capture()
+    originals = {name: getattr(cls, name) for name in (*_HOOKED, _BLOCKS)}
+    state = {"model": None, "auto": False}
+
+    def add(rbln_config: Any, compiled: dict[str, Any]) -> None:
+        if capture.added:
+            return
+        if capture.wrapped is None or capture.context is None:
+            raise RuntimeError(f"{cls.__name__}: optimum compiled no decoder graph to extend")
+        compiler = GraphCompiler(
+            cls,
+            state["model"],
+            rbln_config,
+            capture.context,
+            capture.static_tensors,
+            capture.wrapped,
+        )
+        capture.added.update(build(compiler))
+        compiled.update(capture.added)
+
+    def get_compiled_model(klass: Any, model: Any, rbln_config: Any) -> Any:
+        state["model"] = model
+        state["auto"] = rbln_config.is_auto_num_blocks  # optimum resolves it inside
+        compiled = originals["get_compiled_model"](model, rbln_config)
+        add(rbln_config, compiled)  # explicit block count: nothing to resize
+        for name in capture.added:
+            sink[name] = compiled.pop(name)
+        return compiled
+
+    def get_compile_context(klass: Any, compile_config: Any, example_inputs: Any) -> Any:
+        context, static = originals["_get_compile_context"](compile_config, example_inputs)
+        capture.context, capture.static_tensors = context, static
+        return context, static
+
+    def compile_model(klass: Any, wrapped_model: Any, *args: Any, **kwargs: Any) -> Any:
+        capture.wrapped = wrapped_model
+        return originals["_compile_model"](wrapped_model, *args, **kwargs)
+
+    def set_blocks(klass: Any, compiled_models: dict[str, Any], rbln_config: Any) -> Any:
+        if state["auto"]:
+            add(rbln_config, compiled_models)
+        return originals[_BLOCKS](compiled_models, rbln_config)
+
+    hooks = {
+        "get_compiled_model": get_compiled_model,
+        "_get_compile_context": get_compile_context,
+        "_compile_model": compile_model,
+        _BLOCKS: set_blocks,
+    }
+    with _EXTRA_GRAPHS:
+        own = {name: cls.__dict__[name] for name in hooks if name in cls.__dict__}
+        try:
+            for name, hook in hooks.items():
+                setattr(cls, name, classmethod(hook))
+            yield
+        finally:
+            for name in hooks:
+                if name in own:
+                    setattr(cls, name, own[name])
+                elif name in cls.__dict__:
+                    delattr(cls, name)

@@ -25,6 +25,58 @@ INPUT_BATCH = "vllm.v1.worker.gpu_input_batch:InputBatch"
 SCHED_PY = "rbln_ray/vllm_plugin/scheduler.py"
 RUNNER_PY = "rbln_ray/vllm_plugin/model_runner.py"
 LORA_PY = "rbln_ray/vllm_plugin/lora.py"
+SPEC_SAMPLING_PY = "rbln_ray/vllm_plugin/spec/sampling.py"
+REJECTION = "vllm.v1.sample.rejection_sampler"
+# vLLM's rejection sampler launches four Triton kernels through dispatchers; rbln-ray swaps
+# each dispatcher's kernel for a pure-torch one whose parameters are the dispatcher's input
+# names plus the launch keywords named here (see install_rejection_kernels).
+REJECTION_KERNELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "_rejection_greedy_sample": (
+        (
+            "output_token_ids",
+            "cu_num_draft_tokens",
+            "draft_token_ids",
+            "target_argmax",
+            "bonus_token_ids",
+            "is_greedy",
+            "max_spec_len",
+            "uniform_probs",
+            "synthetic_conditional_rates",
+        ),
+        ("SYNTHETIC_MODE",),
+    ),
+    "_rejection_random_sample": (
+        (
+            "output_token_ids",
+            "cu_num_draft_tokens",
+            "draft_token_ids",
+            "draft_probs",
+            "target_probs",
+            "bonus_token_ids",
+            "recovered_token_ids",
+            "uniform_probs",
+            "is_greedy",
+            "max_spec_len",
+            "synthetic_conditional_rates",
+        ),
+        ("vocab_size", "NO_DRAFT_PROBS", "SYNTHETIC_MODE"),
+    ),
+    "_expand": (
+        ("output", "input", "cu_num_tokens", "replace_from", "replace_to"),
+        ("MAX_NUM_TOKENS",),
+    ),
+    "_sample_recovered_tokens": (
+        (
+            "output_token_ids",
+            "cu_num_draft_tokens",
+            "draft_token_ids",
+            "draft_probs",
+            "target_probs",
+            "inv_q",
+        ),
+        ("vocab_size", "BLOCK_SIZE", "NO_DRAFT_PROBS", "USE_FP64_GUMBEL"),
+    ),
+}
 
 REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement(f"{SCHEDULER}.schedule", SCHED_PY, params=("throttle_prefills",)),
@@ -141,6 +193,48 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement(f"{INPUT_BATCH}.is_token_ids", f"{RUNNER_PY} (record)", "instance attribute"),
     Requirement(f"{INPUT_BATCH}.num_tokens_no_spec", f"{RUNNER_PY} (record)", "instance attribute"),
     Requirement(f"{INPUT_BATCH}.req_id_to_index", f"{RUNNER_PY} (record)", "instance attribute"),
+    Requirement(
+        f"{INPUT_BATCH}.update_req_spec_token_ids",
+        f"{RUNNER_PY} (set_spec_tokens)",
+        params=("request", "scheduled_spec_tokens"),
+    ),
+    Requirement(
+        "vllm.v1.spec_decode.ngram_proposer:NgramProposer.propose",
+        "rbln_ray/vllm_plugin/spec/proposers.py (ngram_propose)",
+        params=(
+            "num_speculative_tokens",
+            "sampled_token_ids",
+            "num_tokens_no_spec",
+            "token_ids_cpu",
+        ),
+    ),
+    # speculative decoding: the scheduler's per-step number of drafts (dynamic SD's hook,
+    # which AsyncScheduler sizes its placeholders from) and the rejection sampler's kernels
+    Requirement(
+        f"{SCHEDULER}._update_after_schedule",
+        f"{SCHED_PY} (spec policy)",
+        params=("scheduler_output",),
+    ),
+    Requirement(
+        "vllm.v1.core.sched.output:SchedulerOutput.num_spec_tokens_to_schedule",
+        f"{SCHED_PY} (spec policy)",
+        "attribute",
+    ),
+    *(
+        req
+        for name, (params, launch) in REJECTION_KERNELS.items()
+        for req in (
+            Requirement(f"{REJECTION}:{name}", SPEC_SAMPLING_PY, params=params),
+            Requirement(f"{REJECTION}:{name}.kernel", SPEC_SAMPLING_PY, "attribute"),
+            Requirement(f"{REJECTION}:{name}", SPEC_SAMPLING_PY, "source mentions", launch),
+        )
+    ),
+    Requirement(
+        "vllm.model_executor.warmup.jit_warmup_triton_helper:VllmTritonJitKernel",
+        f"{SPEC_SAMPLING_PY} (install_rejection_kernels)",
+        "source mentions",
+        ('getattr(self.kernel, "func", None)', "inspect.signature(wrapped)"),
+    ),
 )
 
 
@@ -238,3 +332,50 @@ def record_sampled_token(batch: Any, req_id: str, token: int) -> None:
     batch.token_ids_cpu[index, end] = token
     batch.is_token_ids[index, end] = True
     batch.num_tokens_no_spec[index] = end + 1
+
+
+class _TorchKernel:
+    """What a rejection-sampler dispatcher launches: ``kernel[grid](**kwargs)``; the
+    dispatcher reads the parameter names from ``func`` (its Triton kernels' ``arg_names``)."""
+
+    def __init__(self, func: Any) -> None:
+        self.func = func
+
+    def __getitem__(self, grid: Any) -> Any:
+        return self.func
+
+
+def install_rejection_kernels(kernels: dict[str, Any]) -> None:
+    """Make vLLM's ``RejectionSampler`` launch ``kernels[name]`` (plain functions whose
+    parameters are the dispatcher's inputs and launch keywords, :data:`REJECTION_KERNELS`)
+    instead of the Triton kernel of dispatcher ``name``. Idempotent.
+
+    Why: vLLM 0.30's rejection sampler calls its four kernels through Triton dispatchers;
+    Triton has no CPU backend here, and vLLM's own CPU substitutes are installed on module
+    attributes the dispatchers never read, so the sampler does not run on the host as
+    shipped. rbln-ray samples on the host (as vllm-rbln's ``TorchRejectionSamplerImpl``)."""
+    import vllm.v1.sample.rejection_sampler as rejection
+
+    unknown = sorted(set(kernels) - set(REJECTION_KERNELS))
+    if unknown:
+        raise KeyError(f"no rejection-sampler dispatchers {unknown}")
+    for name, func in kernels.items():
+        dispatcher = getattr(rejection, name)
+        current = getattr(dispatcher, "kernel", None)
+        if isinstance(current, _TorchKernel) and current.func is func:
+            continue
+        dispatcher.kernel = _TorchKernel(func)
+        # the parameter names are cached per dispatcher; read them from the new kernel
+        vars(dispatcher).pop("_kernel_arg_names", None)
+
+
+def set_spec_tokens(batch: Any, state: Any, drafts: list[int]) -> None:
+    """Give a request's row of vLLM's ``InputBatch`` this step's drafts (empty: none), where
+    the rejection sampler's penalties and bad-words checks read them."""
+    batch.update_req_spec_token_ids(state, {state.req_id: drafts} if drafts else {})
+
+
+def ngram_propose(proposer: Any, k: int, sampled: list[list[int]], batch: Any) -> list[list[int]]:
+    """vLLM's ``NgramProposer`` over the input batch's token record (rows in batch order;
+    a row without a new token gets no drafts)."""
+    return proposer.propose(k, sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)

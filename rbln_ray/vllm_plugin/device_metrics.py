@@ -35,6 +35,10 @@ COUNTERS = {
     "rbln_decode_rows": ("decode_rows", "Live rows in decode calls"),
     "rbln_padded_rows": ("padded_rows", "Padding rows in decode calls"),
     "rbln_device_seconds": ("device_seconds", "Seconds inside rebel.Runtime calls"),
+    "rbln_verify_steps": ("verify_steps", "Speculative-decoding verify calls on the device"),
+    "rbln_verify_rows": ("verify_rows", "Live rows in verify calls"),
+    "rbln_draft_calls": ("draft_calls", "Draft-model calls on the device"),
+    "rbln_draft_seconds": ("draft_seconds", "Seconds inside draft-model calls"),
 }
 GAUGES = {
     "rbln_slots_in_use": "Requests holding a compiled batch slot",

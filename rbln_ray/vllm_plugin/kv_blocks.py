@@ -92,14 +92,19 @@ class KVCopy:
 class KVStepPlan:
     """What the workers need from the scheduler for one step, beyond vLLM's own output."""
 
-    kind: str  # "prefill" | "decode" | "idle"
+    kind: str  # "prefill" | "decode" | "verify" (speculative decoding) | "idle"
     tables: dict[str, list[int]] = field(default_factory=dict)  # RBLN block per segment
     copies: list[KVCopy] = field(default_factory=list)  # run before the step's prefill
     # Where a prefill must start when that is earlier than vLLM's num_computed_tokens
     # (part of a vLLM hit no device block holds any more).
     prefill_start: dict[str, int] = field(default_factory=dict)
     scratch_block: int = NO_BLOCK  # padding rows of a decode step write here ...
-    scratch_position: int = 0  # ... at this position, which holds no cached KV
+    scratch_position: int = 0  # ... from this position on, which holds no cached KV
+    # A verify step: tokens per row (the compiled verify graph's width; rows with fewer
+    # drafts are padded). The tables cover every position it writes, plus ``lookahead``
+    # positions a draft model writes while proposing for the next step.
+    width: int = 1
+    lookahead: int = 0
     # Sliding-window artifacts only (rbln_ray.vllm_plugin.kv_slots): each scheduled
     # request's pinned cache slot, and the slot decode padding rows use.
     slots: dict[str, int] = field(default_factory=dict)
@@ -243,19 +248,22 @@ class OuterBlockManager:
                 self._set_chain(index, chain)
             self._outers[index].last_used = self._clock
 
-    def scratch(self) -> tuple[int, int]:
-        """(block, position) padding rows may write without destroying cached KV.
+    def scratch(self, tokens: int = 1) -> tuple[int, int]:
+        """(block, position) padding rows may write ``tokens`` tokens at without destroying
+        cached KV (``tokens`` <= the vLLM block size: a verify step's width).
 
         The free block with the least cached content, at the first position past it; a
         fully cached block gives up its last vLLM block. ``NO_BLOCK`` when none is free.
         """
+        if tokens > self.layout.inner_size:
+            raise ValueError(f"scratch of {tokens} tokens exceeds a vLLM block")
         free = [o for o in self._outers if o.owner is None]
         if not free:
             return NO_BLOCK, 0
         outer = min(free, key=lambda o: (len(o.chain), o.last_used))
         if len(outer.chain) >= self.layout.per_outer:
             self._set_chain(outer.index, outer.chain[: self.layout.per_outer - 1])
-            return outer.index, self.layout.outer_size - 1
+            return outer.index, self.layout.outer_size - tokens
         return outer.index, len(outer.chain) * self.layout.inner_size
 
     # ------------------------------------------------------------------ internals

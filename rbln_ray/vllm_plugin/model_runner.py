@@ -19,6 +19,16 @@ hit needs, and a scratch block for padding rows.
   (``state_slots``: Qwen3.5's linear attention) runs the full batch with each request at its
   pinned slot's row, and its prefill names the slot (``batch_idx``).
 
+- verify (speculative decoding): ``verify_runtimes[bs](input_ids [bs,W], cache_position
+  [bs,W], block_tables [bs,nblk])``, the artifact's verify graph
+  (:mod:`rbln_ray.compile.spec_graphs`): each row is the last sampled token and its drafts
+  at consecutive positions, back-padded to the compiled width ``W`` (near ``max_model_len``
+  front-padded instead: the window moves back over tokens already in the cache, which are
+  written again unchanged). The logits of each row's real positions go, in vLLM's flat
+  layout, to vLLM's ``RejectionSampler``; positions are always the runner's own token counts.
+  After every step that samples, the proposer (:mod:`rbln_ray.vllm_plugin.spec.proposers`)
+  drafts for the next step; the engine takes them with ``take_draft_token_ids``.
+
 KV copies go through the runtime (``rebel.Runtime._copy_kv_cache``), never through host
 tensors, so the same code runs on an ATOM. Sampling runs on the host with vLLM's own
 ``Sampler`` and ``InputBatch``, so every ``SamplingParams`` feature (seeds, top-p/k,
@@ -38,7 +48,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.sampling_params import SamplingType
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
@@ -50,6 +60,7 @@ from rbln_ray.families.vision_base import PromptEmbedder
 from rbln_ray.upstream import vllm_internals
 from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK, BlockLayout, KVCopy, KVStepPlan
 from rbln_ray.vllm_plugin.lora import LoRARows
+from rbln_ray.vllm_plugin.spec.policy import SpecStepInfo
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +86,14 @@ class StepStats:
     decode_rows: int = 0
     padded_rows: int = 0
     device_seconds: float = 0.0
+    # speculative decoding
+    verify_steps: int = 0  # verify calls (decode steps that checked drafts)
+    verify_rows: int = 0  # live rows in them
+    spec_draft_tokens: int = 0  # drafts verified
+    spec_accepted_tokens: int = 0  # of which accepted
+    draft_calls: int = 0  # draft-model device calls
+    draft_seconds: float = 0.0
+    spec_host_seconds: float = 0.0  # rejection sampling and proposing
     # (step index, kind, request ids) of the last steps, for continuous-batching checks.
     history: list[tuple[int, str, tuple[str, ...]]] = field(default_factory=list)
 
@@ -117,8 +136,42 @@ class _DecodeStep:
     # rank's hidden states, received at launch
 
 
+@dataclass
+class _VerifyStep:
+    """A speculative-decoding verify step's device inputs (built in :meth:`prepare`: its
+    positions depend on how many drafts the previous step accepted)."""
+
+    so: SchedulerOutput
+    req_ids: list[str]  # live rows, input batch order
+    bs: int
+    width: int
+    inputs: list[torch.Tensor]  # the verify graph's inputs, in its input order
+    device_row: dict[str, int]  # request -> row of the call
+    front: dict[str, int]  # request -> positions re-fed before its last token (front padding)
+    drafts: dict[str, list[int]]  # request -> its drafts as scheduled
+
+
 # What prepare() hands launch(): a step to run, or an output at once (nothing scheduled).
-PreparedStep = _PrefillStep | _DecodeStep | ModelRunnerOutput | None
+PreparedStep = _PrefillStep | _DecodeStep | _VerifyStep | ModelRunnerOutput | None
+
+
+@dataclass
+class RBLNRunnerOutput(ModelRunnerOutput):
+    """vLLM's step output plus what speculative decoding adds: the step's costs for the
+    scheduler's policy and the drafts for the next step (the engine takes them with
+    ``take_draft_token_ids``; the Ray executor from here, without a call to the worker)."""
+
+    rbln_spec: SpecStepInfo | None = None
+    rbln_drafts: DraftTokenIds | None = None
+
+
+@dataclass
+class Speculator:
+    """A worker's speculative-decoding parts: the artifact's verify runtimes (one per
+    compiled decode batch) and the proposer."""
+
+    verify_runtimes: dict[int, Any]
+    drafter: Any  # spec.proposers.NgramDrafter | DraftModelDrafter
 
 
 class RBLNModelRunner:
@@ -133,6 +186,7 @@ class RBLNModelRunner:
         *,
         first_stage: bool = True,
         last_stage: bool = True,
+        speculator: Speculator | None = None,
     ) -> None:
         self.vllm_config = vllm_config
         # Pipeline ranks: the first embeds token ids, later ones take the previous stage's
@@ -166,13 +220,24 @@ class RBLNModelRunner:
             logitsprocs=build_logitsprocs(
                 vllm_config, self.device, False, False, model_config.logits_processors or ()
             ),
+            num_spec_tokens=self.num_spec_tokens(vllm_config),
             is_pooling_model=False,
         )
         self.sampler = Sampler(logprobs_mode=model_config.logprobs_mode)
+        # Speculative decoding (None without a speculative_config)
+        self.spec = speculator
+        self.rejection_sampler = None
+        self._drafts: DraftTokenIds | None = None  # for the engine's take_draft_token_ids
+        if speculator is not None:
+            from rbln_ray.vllm_plugin.spec.sampling import rejection_sampler
+
+            spec_config = vllm_config.speculative_config
+            self.rejection_sampler = rejection_sampler(spec_config, model_config.logprobs_mode)
         self._fault_token = envs.get("RBLN_RAY_TEST_STEP_FAULT")  # tests only
         self.requests: dict[str, CachedRequestState] = {}
         self.lora = LoRARows(artifact)  # each row's compiled LoRA adapter id
         self.stats = StepStats()
+        self._last_decode_s = 0.0
         # The rows of the last step prepared (the sampling rank's guess of the next decode
         # step's row order, decode_ahead); replaced, never mutated, so the reader thread may
         # read it while the loop thread prepares.
@@ -184,6 +249,11 @@ class RBLNModelRunner:
         # before waiting for a previous pipeline rank's hidden states): the step loop hands the
         # previous step's output to the engine then, so that work overlaps the device.
         self.before_device: Callable[[], None] | None = None
+
+    @staticmethod
+    def num_spec_tokens(vllm_config: VllmConfig) -> int:
+        spec = vllm_config.speculative_config
+        return spec.num_speculative_tokens if spec is not None else 0
 
     # ----------------------------------------------------------------- request state
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -210,6 +280,10 @@ class RBLNModelRunner:
             self.lora.forget(req_id)
             if self.embedder is not None:
                 self.embedder.forget(req_id)
+        if self.spec is not None and so.finished_req_ids:
+            forget = getattr(self.spec.drafter, "forget", None)
+            if forget is not None:
+                forget(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             generator = None
@@ -250,6 +324,10 @@ class RBLNModelRunner:
                     ids.extend(extra)
             if batch is not None and req_id not in batch.req_id_to_index:
                 batch.add_request(state)
+
+    def table_row(self, blocks: list[int]) -> list[int]:
+        """A request's RBLN blocks as one row of a compiled block table (padded)."""
+        return self._table_row(blocks)
 
     def _table_row(self, blocks: list[int]) -> list[int]:
         width = self.layout.segments_per_seq
@@ -298,6 +376,9 @@ class RBLNModelRunner:
             return False
         self.stats.kv_copies += len(copies)
         self.stats.kv_copy_tokens += sum(c.tokens for c in copies)
+        drafter = self.spec.drafter if self.spec is not None else None
+        if drafter is not None and hasattr(drafter, "copy"):  # the draft model's KV too
+            drafter.copy(copies)
         return True
 
     # ----------------------------------------------------------------- step preparation
@@ -327,6 +408,8 @@ class RBLNModelRunner:
         else:
             req_ids = list(so.num_scheduled_tokens)
         self._last_rows = req_ids
+        if plan.kind == "verify":
+            return self._prepare_verify(so, plan, req_ids)
         if plan.kind != "prefill":
             if ahead is None or ahead.so is not so or ahead.req_ids != req_ids:
                 positions = [self.requests[r].num_computed_tokens for r in req_ids]
@@ -369,8 +452,8 @@ class RBLNModelRunner:
         state), and :meth:`prepare` builds the inputs itself when the guess was wrong.
         None: nothing to build ahead (a prefill, a changed batch, a vision-language model)."""
         plan: KVStepPlan | None = getattr(so, "rbln_plan", None)
-        if plan is None or plan.kind == "prefill" or self.embedder is not None:
-            return None
+        if plan is None or plan.kind in ("prefill", "verify") or self.embedder is not None:
+            return None  # a verify step's positions depend on the previous step's acceptance
         cached = so.scheduled_cached_reqs
         if so.scheduled_new_reqs or so.finished_req_ids or cached.resumed_req_ids:
             return None
@@ -439,6 +522,56 @@ class RBLNModelRunner:
             inputs.update(self.embedder.decode_inputs(states, cache_pos))
         return _DecodeStep(so, req_ids, bs, layout, list(positions), cache_pos, inputs)
 
+    def _prepare_verify(
+        self, so: SchedulerOutput, plan: KVStepPlan, req_ids: list[str]
+    ) -> _VerifyStep:
+        """A verify step's inputs: per row the last sampled token and its drafts, ``width``
+        positions from the last sampled token's (back-padded by repeating the last real
+        token; front-padded near ``max_model_len``); padding rows on the scratch block."""
+        if self.spec is None:
+            raise RuntimeError("a verify step on a runner without speculative decoding")
+        width = plan.width
+        sizes = self.artifact.decoder_batch_sizes
+        idx = bisect.bisect_left(sizes, len(req_ids))
+        if idx == len(sizes):
+            raise RuntimeError(f"{len(req_ids)} verify rows exceed the compiled batch {sizes[-1]}")
+        bs = sizes[idx]
+        limit = self.vllm_config.model_config.max_model_len
+        rows: list[tuple[int, list[int], list[int], str]] = []  # (first position, ids, ...)
+        front: dict[str, int] = {}
+        drafts: dict[str, list[int]] = {}
+        for r in req_ids:
+            state = self.requests[r]
+            n = state.num_tokens - 1  # the last sampled token's position (no KV yet)
+            mine = list(so.scheduled_spec_decode_tokens.get(r, ()))[: width - 1]
+            f = max(0, n + width - limit)
+            ids = [state.get_token_id(p) for p in range(n - f, n + 1)]
+            ids += [max(0, d) for d in mine]  # a -1 draft (never accepted) as a valid id
+            ids += [ids[-1]] * (width - len(ids))
+            rows.append((n - f, ids, self._table_row(plan.tables[r]), r))
+            front[r], drafts[r] = f, mine
+        order = list(range(len(rows)))
+        if self.artifact.requires_batch_sort:
+            order.sort(key=lambda i: -rows[i][0])
+        padding = bs - len(rows)
+        scratch = plan.scratch_position
+        ids = [rows[i][1] for i in order] + [[0] * width] * padding
+        pos = [list(range(rows[i][0], rows[i][0] + width)) for i in order]
+        pos += [list(range(scratch, scratch + width))] * padding
+        tables = [rows[i][2] for i in order]
+        tables += [self._table_row([plan.scratch_block])] * padding
+        cache_pos = torch.tensor(pos, dtype=torch.int32)
+        inputs = [
+            torch.tensor(ids, dtype=torch.long),
+            cache_pos,
+            torch.tensor(tables, dtype=torch.int16),
+        ]
+        if self.artifact.use_attention_mask:  # one causal row per query token
+            span = torch.arange(self.artifact.max_seq_len)
+            inputs.append((span.view(1, 1, 1, -1) <= cache_pos.view(bs, 1, width, 1)).float())
+        device_row = {rows[i][3]: row for row, i in enumerate(order)}
+        return _VerifyStep(so, req_ids, bs, width, inputs, device_row, front, drafts)
+
     def _token_ids(self, step: _DecodeStep) -> torch.Tensor:
         """The step's input token ids, ``[bs, 1]``: each row's token at its position (the
         last sampled one), 0 in padding rows."""
@@ -462,6 +595,9 @@ class RBLNModelRunner:
             return step  # nothing scheduled
         if not self.first_stage and receive is None:
             raise RuntimeError("pipeline rank without the previous stage's hidden states")
+        if isinstance(step, _VerifyStep):
+            self._pending = self._verify(step)
+            return None
         if isinstance(step, _PrefillStep):
             logits = self._prefill(step, receive)
             if not self.last_stage:
@@ -480,6 +616,77 @@ class RBLNModelRunner:
             logits = self._in_batch_order(logits, step.req_ids)
         self._pending = (step.so, logits.float())
         return None
+
+    # ----------------------------------------------------------------- speculative decoding
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts proposed after the last step (vLLM's engine takes them once)."""
+        drafts, self._drafts = self._drafts, None
+        return drafts
+
+    def _propose(
+        self, so: SchedulerOutput, req_ids: list[str], sampled: list[list[int]]
+    ) -> DraftTokenIds | None:
+        """Drafts for the next step of the rows that sampled a token now (``sampled`` in
+        input batch order); the scheduler says how many (0: none)."""
+        k = min(so.num_spec_tokens_to_schedule, self.num_spec_tokens(self.vllm_config))
+        if self.spec is None or k <= 0 or not any(sampled):
+            return None
+        drafts = self.spec.drafter.propose_step(self, so, req_ids, sampled, k)
+        return DraftTokenIds(list(req_ids), [list(d) for d in drafts])
+
+    def _sample_verify(self, pending, grammar_output: GrammarOutput | None):
+        """Rejection-sample a verify step; returns (tokens per row, logprobs)."""
+        from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+        from rbln_ray.vllm_plugin.spec.sampling import spec_metadata
+
+        so, logits, drafts, _ = pending
+        batch = self.input_batch
+        for req_id, mine in zip(batch.req_ids, drafts, strict=True):
+            # penalties and bad words see the drafts (vLLM's sampling metadata)
+            vllm_internals.set_spec_tokens(batch, self.requests[req_id], mine)
+        if grammar_output is not None:
+            from vllm.v1.structured_output.utils import apply_grammar_bitmask
+
+            apply_grammar_bitmask(so, grammar_output, batch, logits)
+        md = spec_metadata(drafts)
+        out = self.rejection_sampler(md, None, logits, batch.sampling_metadata)
+        tokens, logprobs = RejectionSampler.parse_output(
+            out.sampled_token_ids,
+            self.vllm_config.model_config.get_vocab_size(),
+            logprobs_tensors=out.logprobs_tensors,
+        )
+        for req_id in batch.req_ids:
+            vllm_internals.set_spec_tokens(batch, self.requests[req_id], [])
+        self.stats.spec_draft_tokens += sum(len(d) for d in drafts)
+        self.stats.spec_accepted_tokens += sum(
+            max(0, len(t) - 1) for t, d in zip(tokens, drafts, strict=True) if d
+        )
+        return tokens, logprobs
+
+    def _verify(self, step: _VerifyStep):
+        """Run a verify step; its logits in vLLM's flat layout (per request in batch order:
+        one row per draft, then the bonus position) and the drafts, for :meth:`sample`."""
+        if self.before_device is not None:
+            self.before_device()
+        runtime = self.spec.verify_runtimes[step.bs]
+        start_t = time.perf_counter()
+        logits = runtime(*step.inputs)
+        took = time.perf_counter() - start_t
+        self.stats.device_seconds += took
+        self.stats.verify_steps += 1
+        self.stats.verify_rows += len(step.req_ids)
+        self.stats.padded_rows += step.bs - len(step.req_ids)
+        self.stats.record("verify", step.req_ids)
+        pieces, drafts = [], []
+        for r in self.input_batch.req_ids:
+            row, f, mine = step.device_row[r], step.front[r], step.drafts[r]
+            pieces.append(logits[row, f : f + len(mine) + 1])
+            drafts.append(mine)
+        firsts = [int(step.inputs[1][row, 0]) for row in step.device_row.values()]
+        context = sum(firsts) // max(1, len(firsts))
+        info = SpecStepInfo("verify", step.bs, context, took)
+        return step.so, torch.cat(pieces).float(), drafts, info
 
     def _prefill(self, step: _PrefillStep, receive: Receive) -> torch.Tensor:
         req_id, plan, tokens, end = step.req_id, step.plan, step.tokens, step.end
@@ -520,6 +727,9 @@ class RBLNModelRunner:
         start_t = time.perf_counter()
         out = self.rbln_model.prefill_decoder(cache_position=positions, **inputs)
         self.stats.device_seconds += time.perf_counter() - start_t
+        drafter = self.spec.drafter if self.spec is not None else None
+        if drafter is not None and hasattr(drafter, "prefill"):  # a draft model follows
+            drafter.prefill(req_id, inputs["input_ids"], positions, inputs["block_tables"])
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += end - start
         if step.starting:  # its first chunk: tokens before it came from the cache
@@ -540,7 +750,8 @@ class RBLNModelRunner:
         out = self.rbln_model.decoders[bs](
             input_ids=x, cache_position=step.cache_pos, **step.inputs
         )
-        self.stats.device_seconds += time.perf_counter() - start_t
+        self._last_decode_s = time.perf_counter() - start_t
+        self.stats.device_seconds += self._last_decode_s
         self.stats.decode_steps += 1
         self.stats.decode_rows += rows
         self.stats.padded_rows += bs - rows
@@ -591,26 +802,72 @@ class RBLNModelRunner:
         if isinstance(self._pending, ModelRunnerOutput):  # a prompt chunk: nothing sampled
             chunk, self._pending = self._pending, None
             return lambda: chunk
-        so, logits = self._pending
-        self._pending = None
+        pending, self._pending = self._pending, None
         batch = self.input_batch
-        if grammar_output is not None:
-            from vllm.v1.structured_output.utils import apply_grammar_bitmask
-
-            apply_grammar_bitmask(so, grammar_output, batch, logits)
-        sampled = self.sampler(logits, batch.sampling_metadata)
-        token_ids = sampled.sampled_token_ids.tolist()
         req_ids = list(batch.req_ids)
-        for req_id, (token,) in zip(req_ids, token_ids, strict=True):
-            self._append_token(req_id, token)
         index = dict(batch.req_id_to_index)
-        logprobs = sampled.logprobs_tensors
-        return lambda: ModelRunnerOutput(
+        if len(pending) == 4:  # a verify step
+            host_t = time.perf_counter()
+            so, info = pending[0], pending[3]
+            token_ids, logprob_lists = self._sample_verify(pending, grammar_output)
+            for req_id, tokens in zip(req_ids, token_ids, strict=True):
+                for token in tokens:
+                    self._append_token(req_id, token)
+        else:
+            so, logits = pending
+            if grammar_output is not None:
+                from vllm.v1.structured_output.utils import apply_grammar_bitmask
+
+                apply_grammar_bitmask(so, grammar_output, batch, logits)
+            sampled = self.sampler(logits, batch.sampling_metadata)
+            token_ids = sampled.sampled_token_ids.tolist()
+            for req_id, (token,) in zip(req_ids, token_ids, strict=True):
+                self._append_token(req_id, token)
+            logprobs = sampled.logprobs_tensors
+            if self.spec is None:
+                return lambda: ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index=index,
+                    sampled_token_ids=token_ids,
+                    logprobs=logprobs.tolists() if logprobs is not None else None,
+                )
+            host_t = time.perf_counter()
+            info = self._step_info(so)
+            logprob_lists = logprobs.tolists() if logprobs is not None else None
+        drafter_t, calls_before = self._drafter_time()
+        drafts = self._propose(so, req_ids, token_ids)
+        drafter_after, calls_after = self._drafter_time()
+        info.draft_s, info.draft_calls = drafter_after - drafter_t, calls_after - calls_before
+        info.host_s = time.perf_counter() - host_t - info.draft_s
+        self.stats.draft_calls += info.draft_calls
+        self.stats.draft_seconds += info.draft_s
+        self.stats.spec_host_seconds += info.host_s
+        self._drafts = drafts
+        return lambda: RBLNRunnerOutput(
             req_ids=req_ids,
             req_id_to_index=index,
             sampled_token_ids=token_ids,
-            logprobs=logprobs.tolists() if logprobs is not None else None,
+            logprobs=logprob_lists,
+            rbln_spec=info,
+            rbln_drafts=drafts,
         )
+
+    def _drafter_time(self) -> tuple[float, int]:
+        drafter = self.spec.drafter if self.spec is not None else None
+        return getattr(drafter, "seconds", 0.0), getattr(drafter, "calls", 0)
+
+    def _step_info(self, so: SchedulerOutput) -> SpecStepInfo:
+        """The plain step just run, for the scheduler's speculation policy."""
+        plan: KVStepPlan = so.rbln_plan
+        if plan.kind != "decode":
+            return SpecStepInfo("prefill", 0, 0, 0.0)
+        rows = len(so.num_scheduled_tokens)
+        sizes = self.artifact.decoder_batch_sizes
+        bs = sizes[bisect.bisect_left(sizes, rows)]
+        context = sum(self.requests[r].num_computed_tokens for r in so.num_scheduled_tokens)
+        if any(so.scheduled_spec_decode_tokens.values()):
+            raise RuntimeError("a decode step with drafts must be a verify step")
+        return SpecStepInfo("decode", bs, context // max(1, rows), self._last_decode_s)
 
     def _append_token(self, req_id: str, token: int) -> None:
         """Record a sampled token where vLLM's sampler state (penalties, min_tokens) sees it."""

@@ -29,6 +29,17 @@ key                                    default     meaning
 ``rbln_placement_strategy``            PACK        Ray placement strategy of the workers
                                                    (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)
 ``rbln_placement_timeout_s``           120         seconds to wait for the workers' devices
+``rbln_spec_policy``                   auto        speculative decoding: ``auto`` verifies
+                                                   drafts in a step only when the expected
+                                                   tokens per second beat a plain decode
+                                                   step's (:mod:`~rbln_ray.vllm_plugin.spec.
+                                                   policy`); ``always`` verifies whenever a
+                                                   row has drafts
+``rbln_spec_min_gain``                 1.05        auto: verify only when it is expected to
+                                                   yield this many times a decode step's
+                                                   tokens per second
+``rbln_spec_probe_steps``              32          auto, draft model: decode steps between
+                                                   probes while speculation is off
 =====================================  ==========  ===========================================
 """
 
@@ -82,6 +93,9 @@ class RBLNOptions(PlacementSettings):
 
     compile: CompileSettings = Field(default_factory=CompileSettings)
     decode_steps_between_chunks: StrictInt = Field(1, ge=0)
+    spec_policy: Literal["auto", "always"] = "auto"
+    spec_min_gain: float = Field(1.05, gt=0)
+    spec_probe_steps: StrictInt = Field(32, ge=1)
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -121,6 +135,7 @@ class EngineDecisions:
     compiled_dir: str | None = None  # the compiled artifact in use (compiled on first use)
     ray_address: str | None = None  # the driver's Ray cluster (GCS address)
     driver_pid: int | None = None  # the driver process connected to it
+    draft_compiled_dir: str | None = None  # speculative decoding's draft model, compiled
 
 
 @dataclass
@@ -136,6 +151,8 @@ class RBLNAdditionalConfig:
 
     def compute_hash(self) -> str:
         text = json.dumps(self.user, sort_keys=True, default=str) + str(self.decisions.compiled_dir)
+        if self.decisions.draft_compiled_dir:
+            text += str(self.decisions.draft_compiled_dir)
         return hashlib.sha256(text.encode()).hexdigest()
 
     def get(self, key: str, default: Any = None) -> Any:

@@ -14,6 +14,11 @@ chunked prefill work on RBLN. Prefix caching is turned off (logged) for sliding-
 artifacts, as vllm-rbln does, and both are off for families whose compiled prefill cannot
 resume mid-prompt (Gemma3).
 
+Speculative decoding (vLLM's ``speculative_config``, methods ``ngram`` and ``draft_model``)
+needs the artifact's verify graphs (:mod:`rbln_ray.compile.spec_graphs`; an HF directory is
+compiled with them); what optimum-rbln's graphs cannot serve is refused here, naming it
+(:func:`_sync_speculative`).
+
 A compiled encoder (:mod:`rbln_ray.compile.encoders`) is configured for vLLM's pooling runner
 instead: no KV cache, vLLM's own scheduler batching whole prompts up to the compiled batch,
 :class:`~rbln_ray.vllm_plugin.pooling_worker.RBLNPoolingWorker`.
@@ -68,6 +73,10 @@ def compiled_dir(vllm_config: VllmConfig) -> str:
         user_len = model_config.original_max_model_len
         if settings.max_seq_len is None and user_len and user_len > 0:
             settings = settings.model_copy(update={"max_seq_len": user_len})
+        spec = vllm_config.speculative_config
+        if spec is not None and settings.spec_tokens is None and spec.method in SPEC_METHODS:
+            # speculative decoding: compile the verify graphs with the model
+            settings = settings.model_copy(update={"spec_tokens": spec.num_speculative_tokens})
         compiled = str(resolve_compiled_dir(model_config.model, settings))
         decide(vllm_config, compiled_dir=compiled)
     return compiled
@@ -212,6 +221,168 @@ def _sync_scheduler(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
     sched.verify_max_model_len(max_len)
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+# Why the other methods vLLM 0.30 has are refused (RBLNConfigError names the method).
+_SPEC_REFUSED = {
+    "eagle": "needs the target model's hidden states, which optimum-rbln's compiled graphs "
+    "do not return",
+    "mtp": "needs the target model's hidden states and its multi-token-prediction layers, "
+    "which optimum-rbln does not compile",
+    "medusa": "needs extra decoding heads on the target's hidden states, which optimum-rbln "
+    "does not compile",
+    "suffix": "needs vLLM's suffix-decoding proposer (arctic_inference), not supported yet",
+}
+# The artifact geometry a draft model shares with its target (it uses the target's blocks).
+DRAFT_GEOMETRY = (
+    "max_seq_len",
+    "kvcache_block_size",
+    "kvcache_num_blocks",
+    "prefill_chunk_size",
+    "decoder_batch_sizes",
+    "batch_size",
+)
+
+
+def _spec_refusal(method: str) -> str:
+    for prefix, why in _SPEC_REFUSED.items():
+        if method.startswith(prefix):
+            return why
+    if method in ("mlp_speculator", "dflash", "dspark", "extract_hidden_states"):
+        return _SPEC_REFUSED["eagle"]
+    return "not supported on RBLN"
+
+
+def _sync_speculative(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
+    """Speculative decoding on RBLN (ngram, draft_model) with synchronous scheduling; refuse,
+    naming it, what the compiled graphs cannot serve."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return
+    method, k = str(spec.method), spec.num_speculative_tokens
+    if method not in SPEC_METHODS:
+        raise RBLNConfigError(
+            f"speculative_config method={method!r}: {_spec_refusal(method)}; speculative "
+            f"decoding on RBLN supports {', '.join(SPEC_METHODS)}"
+        )
+    refused = [
+        (spec.parallel_drafting, "parallel_drafting"),
+        (spec.use_heterogeneous_vocab, "use_heterogeneous_vocab"),
+        (spec.draft_sample_method != "greedy", f"draft_sample_method={spec.draft_sample_method!r}"),
+        (spec.rejection_sample_method == "block", "rejection_sample_method='block'"),
+        (
+            spec.num_speculative_tokens_per_batch_size is not None,
+            "num_speculative_tokens_per_batch_size (the RBLN scheduler decides per step "
+            "whether to speculate: additional_config rbln_spec_policy)",
+        ),
+    ]
+    for bad, what in refused:
+        if bad:
+            raise RBLNConfigError(f"speculative_config {what} is not supported on RBLN")
+    where = f"speculative decoding ({method}) on {art.path}"
+    if art.num_stages > 1:
+        raise RBLNConfigError(f"{where}: pipeline stages ({art.num_stages}) are not supported")
+    if art.uses_local_cache:
+        raise RBLNConfigError(
+            f"{where}: its {art.cache_impl} KV cache (sliding window {art.sliding_window}) "
+            "decodes one token per call; verify graphs need several"
+        )
+    if art.is_multimodal:
+        raise RBLNConfigError(f"{where}: vision-language models are not supported")
+    if art.state_slots:
+        raise RBLNConfigError(
+            f"{where}: linear-attention layers keep one state per sequence, which a verify "
+            "call cannot roll back past rejected drafts"
+        )
+    if art.use_position_ids:
+        raise RBLNConfigError(f"{where}: graphs with position ids are not supported")
+    if art.spec_tokens < k:
+        have = f"verify graphs for {art.spec_tokens}" if art.spec_tokens else "no verify graphs"
+        raise RBLNConfigError(
+            f"{where}: num_speculative_tokens={k} but the artifact has {have} draft tokens; "
+            f"recompile it with `rbln-ray compile --spec-tokens {k}` (or serve the HF "
+            "directory: it is compiled with them)"
+        )
+    if k + 1 > art.prefill_chunk_size:
+        raise RBLNConfigError(f"{where}: num_speculative_tokens={k} exceeds a prefill chunk")
+    if method == "draft_model":
+        _sync_draft_model(vllm_config, art)
+    sched = vllm_config.scheduler_config
+    slots = spec.max_num_new_slots_for_drafting
+    # A decode step schedules 1 + k tokens per row (vLLM truncates drafts past the budget);
+    # vLLM also keeps `slots` tokens of the budget per request for drafting, which must not
+    # cut a prefill chunk short (the compiled prefill resumes only at whole chunks).
+    sched.max_num_batched_tokens = max(
+        sched.max_num_batched_tokens,
+        art.prefill_chunk_size + slots,
+        sched.max_num_seqs * (1 + k + slots),
+    )
+    sched.max_num_scheduled_tokens = None
+    if sched.async_scheduling:
+        # vLLM itself refuses async scheduling with `ngram` (its re-check in the engine
+        # process raises); the RBLN runner's async path (filling vLLM's draft placeholders
+        # with its own proposals) is not verified token-exact, so neither method uses it.
+        logger.info(
+            "async scheduling off: speculative decoding (%s) on RBLN runs synchronously", method
+        )
+    sched.async_scheduling = False
+    from rbln_ray.emulator import timing
+
+    if spec.rejection_sample_method != "synthetic" and timing.emulator_mode() == "timing":
+        logger.warning(
+            "speculative decoding in the emulator's timing mode: outputs are zeros, so every "
+            "draft is accepted; use rejection_sample_method='synthetic' with "
+            "synthetic_acceptance_rates, or RBLN_RAY_EMULATOR_MODE=modelled"
+        )
+
+
+def draft_compiled_dir(vllm_config: VllmConfig, art: CompiledArtifact) -> str:
+    """The draft model's compiled directory: itself, or its HF directory compiled once with
+    the target's KV geometry and a width-2 verify graph."""
+    from rbln_ray.compile import CompileSettings, resolve_compiled_dir
+
+    decided = engine_decisions(vllm_config).draft_compiled_dir
+    if decided is not None:
+        return decided
+    spec = vllm_config.speculative_config
+    model = spec.draft_model_config.model if spec.draft_model_config else spec.model
+    settings = CompileSettings(
+        batch_size=art.batch_size,
+        max_seq_len=art.max_seq_len,
+        attn_impl="flash_attn" if art.attn_impl == "flash_attn" else "eager",
+        kvcache_partition_len=art.kvcache_block_size if art.attn_impl == "flash_attn" else None,
+        num_devices=art.num_devices,
+        use_attention_mask=art.use_attention_mask,
+        decoder_batch_sizes=art.decoder_batch_sizes,
+        kvcache_num_blocks=art.kvcache_num_blocks,
+        spec_tokens=1,
+    )
+    compiled = str(resolve_compiled_dir(model, settings))
+    decide(vllm_config, draft_compiled_dir=compiled)
+    return compiled
+
+
+def _sync_draft_model(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
+    draft = load_artifact(draft_compiled_dir(vllm_config, art))
+    if not isinstance(draft, CompiledArtifact):
+        raise RBLNConfigError(f"draft model {draft.path} is a compiled encoder, not a decoder")
+    where = f"draft model {draft.path} for {art.path}"
+    for name in DRAFT_GEOMETRY:
+        mine, theirs = getattr(draft, name), getattr(art, name)
+        if mine != theirs:
+            raise RBLNConfigError(
+                f"{where}: {name}={mine} differs from the target's {theirs}; the draft uses "
+                "the target's KV blocks, so compile it with the target's geometry (or give "
+                "its HF directory: it is compiled so)"
+            )
+    if draft.uses_local_cache or draft.num_stages > 1 or draft.is_multimodal:
+        raise RBLNConfigError(f"{where}: a sliding-window, staged or vision-language draft")
+    if draft.spec_tokens < 1:
+        raise RBLNConfigError(
+            f"{where}: it has no verify graphs; recompile it with `rbln-ray compile "
+            "--spec-tokens 1`"
+        )
+
+
 def _sync_async_scheduling(vllm_config: VllmConfig, requested_backend: object) -> None:
     """Async scheduling (vLLM schedules step N+1 while step N runs) is on by default.
 
@@ -227,6 +398,8 @@ def _sync_async_scheduling(vllm_config: VllmConfig, requested_backend: object) -
         if sched.async_scheduling:
             logger.info("async scheduling off: pipeline stages overlap through the batch queue")
         sched.async_scheduling = False
+    elif vllm_config.speculative_config is not None:
+        sched.async_scheduling = False  # _sync_speculative: synchronous scheduling
     elif requested_backend == "ray" and not sched.async_scheduling:
         logger.info("async scheduling on: the RBLN Ray executor supports it")
         sched.async_scheduling = True
@@ -307,6 +480,7 @@ def _sync_decoder(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
     _sync_scheduler(vllm_config, art)
     if art.is_multimodal:
         _sync_multimodal(vllm_config, art)
+    _sync_speculative(vllm_config, art)
     requested_backend = vllm_config.parallel_config.distributed_executor_backend
     _sync_parallel(vllm_config, art)
     _sync_async_scheduling(vllm_config, requested_backend)

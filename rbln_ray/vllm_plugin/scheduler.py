@@ -23,6 +23,15 @@ RBLN blocks and the step's :class:`~rbln_ray.vllm_plugin.kv_blocks.KVStepPlan` (
 on-device KV copies, scratch block) travels to the workers in :class:`RBLNSchedulerOutput`.
 Sliding-window artifacts also get each request's pinned cache slot there
 (:class:`~rbln_ray.vllm_plugin.kv_slots.SlotManager`).
+
+Speculative decoding: vLLM's scheduler schedules a decoding request's drafts with its next
+token (``1 + n`` tokens, ``scheduled_spec_decode_tokens``) and rolls ``num_computed_tokens``
+back by the rejected ones when the step's output comes. A decode step with drafts is a
+``verify`` step here: its plan covers every position the compiled verify graph writes
+(``width`` tokens per row, plus a draft model's lookahead), and before vLLM schedules it the
+step's :class:`~rbln_ray.vllm_plugin.spec.policy.SpecPolicy` decides whether verifying the
+drafts pays; if not they are set aside (shadow drafts, checked against the tokens the plain
+decode steps produce) and the step decodes.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from rbln_ray.vllm_plugin.kv_blocks import BlockLayout, KVStepPlan, OuterBlockMa
 from rbln_ray.vllm_plugin.kv_slots import SlotManager
 from rbln_ray.vllm_plugin.lora import LoRAGate, refuse_unknown
 from rbln_ray.vllm_plugin.options import engine_options
+from rbln_ray.vllm_plugin.spec.policy import SpecPolicy, accepted_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +98,29 @@ class _RBLNScheduling:
         # The last prefill attempt scheduled nothing while requests were decoding: run the
         # decodes next instead of retrying the prefill in a loop.
         self._prefill_stalled = False
+        self.decode_sizes = artifact.decoder_batch_sizes
+        self._running_count = 0
+        # Speculative decoding: tokens per verify row, positions a draft model writes past
+        # them, the per-step policy, and drafts set aside (request -> position, drafts).
+        spec = self.vllm_config.speculative_config
+        self.spec_width, self.spec_lookahead = 1, 0
+        self.spec_policy: SpecPolicy | None = None
+        self._shadow: dict[str, tuple[int, list[int]]] = {}
+        if spec is not None:
+            from rbln_ray.vllm_plugin.spec.costs import cost_prior
+
+            k = spec.num_speculative_tokens
+            self.spec_width = k + 1
+            self.spec_lookahead = k if spec.method == "draft_model" else 0
+            self.spec_policy = SpecPolicy(
+                k=k,
+                width=self.spec_width,
+                prior=cost_prior(artifact),
+                mode=self.options.spec_policy,
+                min_gain=self.options.spec_min_gain,
+                probe_steps=self.options.spec_probe_steps,
+                draft_model=spec.method == "draft_model",
+            )
 
     # ------------------------------------------------------------------ step choice
     def _prefill_can_start(self) -> bool:
@@ -100,10 +133,10 @@ class _RBLNScheduling:
             return False
         request = vllm_internals.next_waiting(self)
         needed = sum(
-            self.outer_blocks.new_blocks_needed(r.request_id, r.num_tokens)
+            self.outer_blocks.new_blocks_needed(r.request_id, self._reach(r.num_tokens))
             for r in self.running
             if r.is_prefill_chunk
-        ) + self.layout.segments_for(request.num_tokens)
+        ) + self.layout.segments_for(self._reach(request.num_tokens))
         if self.outer_blocks.free_count() < needed:
             return False
         first = -(-min(request.num_tokens, self.step_tokens) // self.block_size)
@@ -112,7 +145,7 @@ class _RBLNScheduling:
     def _next_chunk(self, prefilling: list[Request]) -> Request | None:
         """The prefilling request to advance: the one closest to its first token."""
         request = min(prefilling, key=lambda r: r.num_tokens - r.num_computed_tokens)
-        end = request.num_computed_tokens + self.step_tokens
+        end = self._reach(min(request.num_computed_tokens + self.step_tokens, request.num_tokens))
         needed = self.outer_blocks.new_blocks_needed(request.request_id, end)
         return request if self.outer_blocks.free_count() >= needed else None
 
@@ -124,6 +157,7 @@ class _RBLNScheduling:
         self._release_missing()
         prefilling = [r for r in self.running if r.is_prefill_chunk]
         decoding = [r for r in self.running if not r.is_prefill_chunk]
+        self._running_count = len(self.running)  # what scheduler_view hides from vLLM
         gap = self.options.decode_steps_between_chunks
         chunk_due = not decoding or self._decodes_since_prefill >= gap
         chunk = self._next_chunk(prefilling) if prefilling and chunk_due else None
@@ -136,9 +170,13 @@ class _RBLNScheduling:
             self._make_room_for_decodes(decoding)
             visible = self._decode_rows([r for r in self.running if not r.is_prefill_chunk])
             limit = len(visible)
+            if self.spec_policy is not None:
+                self._choose_drafts(visible)
         with vllm_internals.scheduler_view(self, visible, limit):
             output = super().schedule(throttle_prefills)
         scheduled = bool(output.num_scheduled_tokens)
+        if kind == "decode" and output.scheduled_spec_decode_tokens:
+            kind = "verify"
         if kind == "prefill":
             # Nothing scheduled (e.g. a grammar still compiling): decode next, then retry.
             self._prefill_stalled = not scheduled and bool(decoding)
@@ -166,7 +204,85 @@ class _RBLNScheduling:
         failed = getattr(model_runner_output, "failed_req_ids", None)
         if failed:
             vllm_internals.finish_with_error(self, failed)
-        return super().update_from_output(scheduler_output, model_runner_output)
+        if self.spec_policy is not None:
+            self._observe_spec(scheduler_output, model_runner_output)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._shadow:
+            self._resolve_shadows()
+        return outputs
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _reach(self, end: int) -> int:
+        """The end of the positions a step computing up to ``end`` writes: a draft model
+        proposing for the next step writes ``lookahead`` more."""
+        return min(end + self.spec_lookahead, self.layout.max_seq_len)
+
+    def _decode_batch(self, rows: int) -> int:
+        return next((b for b in self.decode_sizes if b >= rows), self.decode_sizes[-1])
+
+    def _choose_drafts(self, visible: list[Request]) -> None:
+        """Verify this step's drafts only if the policy expects it to pay; else set them
+        aside as shadow drafts (their acceptance is still measured) and decode."""
+        policy = self.spec_policy
+        assert policy is not None
+        drafts = [len(r.spec_token_ids) for r in visible]
+        if not any(drafts):
+            return
+        context = sum(r.num_computed_tokens for r in visible) // max(1, len(visible))
+        if policy.verify_pays(drafts, self._decode_batch(len(visible)), context):
+            return
+        for r in visible:
+            if r.spec_token_ids and r.request_id not in self._shadow:
+                self._shadow[r.request_id] = (r.num_tokens, list(r.spec_token_ids))
+            r.spec_token_ids = []
+
+    def _observe_spec(self, so: SchedulerOutput, mro: Any) -> None:
+        policy = self.spec_policy
+        assert policy is not None
+        info = getattr(mro, "rbln_spec", None)
+        if info is not None:
+            policy.observe_step(info)
+        drafts = so.scheduled_spec_decode_tokens
+        if not drafts or not mro.sampled_token_ids:
+            return
+        for req_id, ids in drafts.items():
+            index = mro.req_id_to_index.get(req_id)
+            if index is not None and mro.sampled_token_ids[index]:
+                policy.observe(len(ids), len(mro.sampled_token_ids[index]) - 1)
+
+    def _resolve_shadows(self) -> None:
+        """Shadow drafts whose positions have all been decoded: how many would have been
+        accepted (the tokens the steps produced, compared with the drafts)."""
+        policy = self.spec_policy
+        assert policy is not None
+        for req_id, (start, drafts) in list(self._shadow.items()):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                del self._shadow[req_id]
+                continue
+            if request.num_tokens < start + len(drafts):
+                continue
+            produced = request.all_token_ids[start : start + len(drafts)]
+            policy.observe(len(drafts), accepted_prefix(drafts, produced))
+            del self._shadow[req_id]
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        """vLLM's, after choosing how many drafts the workers propose for the next step:
+        ``k`` for the n-gram proposer (host work only; the next step decides whether to
+        verify them), the policy's choice for a draft model (its device time is spent
+        proposing)."""
+        policy = self.spec_policy
+        if policy is not None and policy.draft_model:
+            rows = [
+                self.requests[r]
+                for r in scheduler_output.num_scheduled_tokens
+                if r in self.requests
+            ]
+            context = sum(r.num_computed_tokens for r in rows) // max(1, len(rows))
+            running = max(1, self._running_count)
+            wanted = policy.wants_drafts(running, self._decode_batch(running), context)
+            scheduler_output.num_spec_tokens_to_schedule = policy.k if wanted else 0
+        super()._update_after_schedule(scheduler_output)
 
     def _decode_rows(self, decoding: list[Request]) -> list[Request]:
         """The requests one decode step runs: those with a token to compute now (a pipeline's
@@ -185,7 +301,12 @@ class _RBLNScheduling:
 
         def needed(reqs: list[Request]) -> int:
             return sum(
-                self.outer_blocks.new_blocks_needed(r.request_id, r.num_computed_tokens + 1)
+                self.outer_blocks.new_blocks_needed(
+                    r.request_id,
+                    self._reach(
+                        r.num_computed_tokens + (self.spec_width if r.spec_token_ids else 1)
+                    ),
+                )
                 for r in reqs
             )
 
@@ -207,10 +328,15 @@ class _RBLNScheduling:
         for i, req_id in enumerate(cached.req_ids):
             if req_id in cached.resumed_req_ids:
                 starts[req_id] = cached.num_computed_tokens[i]
-        for req_id in output.num_scheduled_tokens:
+        if kind == "verify":
+            plan.width, plan.lookahead = self.spec_width, self.spec_lookahead
+        for req_id, scheduled in output.num_scheduled_tokens.items():
             request = self.requests[req_id]
             hit = starts.get(req_id)
             end = request.num_computed_tokens  # already advanced past this step's tokens
+            if kind == "verify":  # the verify window: width tokens from the last sampled one
+                end += self.spec_width - scheduled
+            end = self._reach(end)
             if hit is not None and not manager.owns(req_id):
                 copies, start = manager.admit(req_id, request.block_hashes, hit, end)
                 plan.copies.extend(copies)
@@ -222,8 +348,10 @@ class _RBLNScheduling:
             plan.tables[req_id] = manager.table(req_id)
             if self.slots is not None:
                 plan.slots[req_id] = self.slots.slot(req_id)
-        if kind == "decode":
-            plan.scratch_block, plan.scratch_position = manager.scratch()
+        if kind in ("decode", "verify") or (self.spec_lookahead and kind == "prefill"):
+            # padding rows (a draft model pads its proposing calls after a prefill too)
+            tokens = max(self.spec_width, 2) if self.spec_policy is not None else 1
+            plan.scratch_block, plan.scratch_position = manager.scratch(tokens)
             if self.slots is not None:
                 plan.scratch_slot = self.slots.scratch()
         manager.flush_evictions()

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from rbln_ray.common import envs, framing
@@ -25,7 +25,7 @@ from rbln_ray.emulator import is_emulated
 from rbln_ray.vllm_plugin.device_metrics import DeviceMetrics
 from rbln_ray.vllm_plugin.loader import load_compiled_model
 from rbln_ray.vllm_plugin.lora import CompiledLoRAWorker
-from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner
+from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner, Speculator
 from rbln_ray.vllm_plugin.platform import block_layout, compiled_artifact
 from rbln_ray.vllm_plugin.step_loop import Ahead, Deferred, StepLoop
 
@@ -69,7 +69,36 @@ class RBLNWorker(CompiledLoRAWorker, WorkerBase):
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         model = load_compiled_model(self.artifact, self.device_ids)
-        self.model_runner = RBLNModelRunner(self.vllm_config, self.artifact, model, self.layout)
+        speculator = None
+        if self.vllm_config.speculative_config is not None:
+            speculator = self._load_speculator()
+        self.model_runner = RBLNModelRunner(
+            self.vllm_config, self.artifact, model, self.layout, speculator=speculator
+        )
+
+    def _load_speculator(self) -> Speculator:
+        """Speculative decoding: the artifact's verify runtimes (right after the model: they
+        share its KV buffers) and the proposer (a draft model loads on the same devices)."""
+        from rbln_ray.compile.artifact import load_artifact
+        from rbln_ray.compile.spec_graphs import load_verify_runtimes
+        from rbln_ray.vllm_plugin.options import engine_decisions
+        from rbln_ray.vllm_plugin.spec.proposers import DraftModelDrafter, NgramDrafter
+
+        ids = self.device_ids
+        device: int | list[int] = ids[0] if len(ids) == 1 else list(ids)
+        art = self.artifact
+        verify = load_verify_runtimes(art.path, art.verify_graphs, device)
+        spec = self.vllm_config.speculative_config
+        if spec.method == "draft_model":
+            draft_art = load_artifact(engine_decisions(self.vllm_config).draft_compiled_dir)
+            draft = load_compiled_model(draft_art, ids)
+            pairs = load_verify_runtimes(draft_art.path, draft_art.verify_graphs, device)
+            return Speculator(verify, DraftModelDrafter(draft, draft_art, pairs))
+        return Speculator(verify, NgramDrafter(self.vllm_config))
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts proposed after the last step (vLLM's synchronous engine asks)."""
+        return self.model_runner.take_draft_token_ids()
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         spec = FullAttentionSpec(

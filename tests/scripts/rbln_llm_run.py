@@ -4,8 +4,12 @@ Tests run vLLM in a subprocess: vLLM resolves its platform once per process, and
 heavy. Input (argv[1], JSON): ``{"model": dir, "llm_kwargs": {...}, "requests": [{"prompt":
 str | "prompt_token_ids": [...], "params": {SamplingParams fields; structured_outputs as a
 dict}, "images": [tests.vision.image_spec, ...], "videos": [tests.vision.video_spec, ...],
-"lora": {"name", "id", "path"} (a LoRARequest)}], "passes": N (default 1: run the requests N
-times, one ``generate`` call each), "rpc": [method, ...]}``.
+"lora": {"name", "id", "path"} (a LoRARequest)}],
+"passes": N (default 1: run the requests N times, one ``generate`` call each), "rpc":
+[method, ...], "metrics": [prefix, ...] (vLLM's metrics whose names start so, summed over
+labels; start the engine with ``"disable_log_stats": false``), "ray_local": {ray.init
+kwargs} (start a private local Ray instance for this run, e.g. with ``{"resources":
+{"RBLN": 1}}``, for ``distributed_executor_backend="ray"``; shut down after the run)}``.
 Output: one line ``RESULT {...}`` with per-request outputs (of the last pass; every pass in
 ``passes``), the prompts' token ids as vLLM processed them, and the collective_rpc results.
 
@@ -32,10 +36,42 @@ def _logprobs(lp):
     return [{str(tok): v.logprob for tok, v in step.items()} for step in lp]
 
 
+def metrics(llm, prefixes: list[str]) -> dict:
+    """vLLM's metrics (``LLM.get_metrics``) named with one of ``prefixes``: counters and
+    gauges summed over their labels, vectors element-wise."""
+    if not prefixes:
+        return {}
+    out: dict = {}
+    for m in llm.get_metrics():
+        if not any(m.name.startswith(p) for p in prefixes):
+            continue
+        if hasattr(m, "values"):
+            old = out.get(m.name) or [0] * len(m.values)
+            out[m.name] = [a + b for a, b in zip(old, m.values, strict=False)]
+        elif hasattr(m, "value"):
+            out[m.name] = out.get(m.name, 0) + m.value
+    return out
+
+
 def start(spec: dict):
     from vllm import LLM
 
+    if "ray_local" in spec:
+        import ray
+
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(address="local", include_dashboard=False, **spec["ray_local"])
     return LLM(model=spec["model"], seed=0, **spec.get("llm_kwargs", {}))
+
+
+def stop(llm, spec: dict) -> None:
+    """Stop the engine process (and free its emulated device) before the next run."""
+    if llm is not None:
+        llm.llm_engine.engine_core.shutdown()
+    if "ray_local" in spec:
+        import ray
+
+        ray.shutdown()
 
 
 def run(llm, spec: dict) -> dict:
@@ -90,6 +126,7 @@ def run(llm, spec: dict) -> dict:
         "request_ids": [o.request_id for o in outputs],
         "passes": passes,
         "rpc": {m: llm.collective_rpc(m) for m in spec.get("rpc", [])},
+        "metrics": metrics(llm, spec.get("metrics", [])),
         "config": {
             "max_num_seqs": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
             "max_model_len": llm.llm_engine.vllm_config.model_config.max_model_len,
@@ -130,9 +167,7 @@ if __name__ == "__main__":
             traceback.print_exc()
             results.append({"error": f"{type(exc).__name__}: {exc}"})
         finally:
-            if llm is not None:
-                # stop the engine process (and free its emulated device) before the next
-                llm.llm_engine.engine_core.shutdown()
+            stop(llm, one)
             del llm
         log.warning("run %s: %.1f s", one["model"], time.monotonic() - started)
     print("RESULT " + json.dumps({"runs": results}), flush=True)

@@ -13,7 +13,9 @@ from pathlib import Path
 BATCH, MAX_LEN, CHUNK = 4, 512, 128
 
 
-def write_artifact(root: Path, **rbln: int) -> Path:
+def write_artifact(root: Path, spec_tokens: int = 0, **rbln: int) -> Path:
+    """``spec_tokens``: list verify graphs of that many drafts (+1) for every decode batch
+    in its ``rbln_spec.json`` (speculative decoding; the files themselves are not read)."""
     from transformers import LlamaConfig
 
     out = root / "artifact"
@@ -39,6 +41,14 @@ def write_artifact(root: Path, **rbln: int) -> Path:
         **rbln,
     }
     (out / "rbln_config.json").write_text(json.dumps(config))
+    if spec_tokens:
+        width = spec_tokens + 1
+        graphs = [
+            {"name": f"verify_batch_{b}_w{width}", "batch": b, "width": width, "file": f"{b}"}
+            for b in config["decoder_batch_sizes"]
+        ]
+        manifest = {"format": 1, "spec_tokens": spec_tokens, "graphs": graphs}
+        (out / "rbln_spec.json").write_text(json.dumps(manifest))
     return out
 
 

@@ -59,3 +59,18 @@ def test_shard_group_and_compute_bound_prefill() -> None:
     assert prefill.bound == "compute" and decode.bound == "bandwidth"
     assert 7.9e9 < big.params < 8.1e9
     assert big.kv_bytes_per_token == 131072
+
+
+def test_verify_cost_is_a_decode_at_width_one_and_nearly_free_while_bandwidth_bound() -> None:
+    from rbln_ray.npu.cost_model import PRESETS, decode_cost, expected_tokens, verify_cost
+
+    shape = PRESETS["llama-3-8b"]
+    for batch in (1, 4, 8):
+        assert verify_cost(shape, batch, 1024, 1).seconds == decode_cost(shape, batch, 1024).seconds
+        # ATOM: reading the weights dominates; 5 tokens per row cost about one
+        ratio = verify_cost(shape, batch, 1024, 5).seconds / decode_cost(shape, batch, 1024).seconds
+        assert 1.0 < ratio < 1.05, (batch, ratio)
+    assert verify_cost(shape, 32, 1024, 9).bound == "compute"
+    assert expected_tokens(1.0, 4) == 5
+    assert expected_tokens(0.0, 4) == 1
+    assert abs(expected_tokens(0.6, 4) - (1 - 0.6**5) / 0.4) < 1e-12

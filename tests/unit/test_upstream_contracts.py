@@ -118,3 +118,37 @@ def test_replica_grpc_bind_rewrites_the_address_serve_passes(monkeypatch) -> Non
     assert ray_internals.rewrite_replica_grpc_bind(lambda a: "other")  # idempotent
     replica.add_port_to_grpc_server(None, "[::]:0")
     assert seen == ["127.0.0.1:0"]
+
+
+def test_extra_graphs_hooks_are_undone_even_on_error() -> None:
+    """optimum's class gets its own attributes back (an inherited one is not left shadowed)
+    whether the compile inside the block succeeds or raises."""
+
+    class Base:
+        @classmethod
+        def get_compiled_model(cls, model, rbln_config):
+            return {}
+
+        @classmethod
+        def _get_compile_context(cls, compile_config, example_inputs):
+            return None, {}
+
+        @classmethod
+        def set_kvcache_num_blocks_after_compilation(cls, compiled_models, rbln_config):
+            return None
+
+    class Decoder(Base):
+        @classmethod
+        def _compile_model(cls, wrapped_model, *args, **kwargs):
+            return "own"
+
+    before = dict(vars(Decoder))
+    with (
+        pytest.raises(RuntimeError, match="compile failed"),
+        optimum_internals.extra_graphs(Decoder, lambda compiler: {}, {}),
+    ):
+        assert "get_compiled_model" in vars(Decoder)
+        raise RuntimeError("compile failed")
+    assert dict(vars(Decoder)) == before
+    assert Decoder._compile_model(None) == "own"
+    assert "get_compiled_model" not in vars(Decoder)
