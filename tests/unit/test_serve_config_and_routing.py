@@ -103,7 +103,7 @@ def test_calls_about_a_stored_response_are_pinned_to_its_replica() -> None:
     assert [r[0].replica_id.unique_id for r in ranked] == rank("system prompt", ["a", "b", "c"])
 
 
-def test_lora_adapters_become_served_models_of_their_base(tmp_path) -> None:
+def test_lora_adapters_become_served_models_of_their_base(tmp_path, monkeypatch) -> None:
     """A deployment serves the adapters compiled into its artifact (their copies inside it) or
     given in compile.lora_modules: its replicas start vLLM as --enable-lora --lora-modules
     would, the ingress routes each adapter's name to the base's deployment, and a name served
@@ -111,6 +111,7 @@ def test_lora_adapters_become_served_models_of_their_base(tmp_path) -> None:
     from rbln_ray.serve.config import ModelDeploymentConfig
     from rbln_ray.serve.lora_models import adapter_bases, lora_engine_args, served_adapters
     from rbln_ray.serve.vllm_args import serve_namespace
+    from rbln_ray.vllm_plugin import lora
     from tests.unit.engine_harness import write_artifact
 
     adapters = [
@@ -126,7 +127,10 @@ def test_lora_adapters_become_served_models_of_their_base(tmp_path) -> None:
     assert args["lora_modules"] == [
         {"name": n, "path": own[n], "base_model_name": "base"} for n in ("a", "b")
     ]
-    parsed = serve_namespace(str(art), "base", args)  # as vllm serve parses --lora-modules
+    # as vllm serve parses --lora-modules (the RBLN platform records them for the engine's
+    # compile: this process's later engines must not inherit them)
+    monkeypatch.setattr(lora, "_CLI_MODULES", {})
+    parsed = serve_namespace(str(art), "base", args)
     assert parsed.enable_lora
     assert [(m.name, m.path, m.base_model_name) for m in parsed.lora_modules] == [
         ("a", own["a"], "base"),
