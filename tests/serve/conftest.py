@@ -13,6 +13,13 @@ from tests.helpers import free_port
 from tests.ray_metrics import FAST_EXPORT
 
 API_KEY = "test-secret"
+# vLLM's speculative_config of demo_app's "spec" model (prompt lookup, 4 drafts)
+SPEC_NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4,
+}
 # The LoRA adapters of the app's Qwen2 (build_tiny_adapter's arguments): different ranks,
 # disjoint targets
 LORA_ADAPTERS = {
@@ -77,13 +84,15 @@ def stop_app() -> None:
 def demo_app() -> Iterator[RunningApp]:
     """The demo model (compiled, batch 4) with 2 replicas, and beside it (one device each) a
     tiny Qwen2 with two LoRA adapters compiled in (``LORA_ADAPTERS``), a tiny BERT embedding
-    model and two tiny vision-language models, a LLaVA and a Qwen2-VL; an API key."""
+    model, two tiny vision-language models, a LLaVA and a Qwen2-VL, and the demo model with
+    verify graphs decoding speculatively (``SPEC_NGRAM``); an API key."""
     from rbln_ray.cli.serve_cmd import DEMO_COMPILE
     from rbln_ray.compile import CompileSettings, resolve_compiled_dir
     from rbln_ray.models import build_tiny_encoder, build_tiny_model, build_tiny_vlm, demo_model_dir
     from rbln_ray.models.adapters import build_tiny_adapter
     from tests.helpers import compiled_encoder, compiled_model
     from tests.vision import compiled_vlm
+    from tests.vllm_plugin.test_spec_decode import demo_compiled
 
     hf_dir = demo_model_dir()
     compiled = resolve_compiled_dir(hf_dir, CompileSettings.from_dict(DEMO_COMPILE))
@@ -105,9 +114,15 @@ def demo_app() -> Iterator[RunningApp]:
             {"name": "embed", "model": str(compiled_encoder()), "num_replicas": 1},
             {"name": "vision", "model": str(compiled_vlm()), "num_replicas": 1},
             {"name": "qwen-vl", "model": str(compiled_vlm("qwen2_vl")), "num_replicas": 1},
+            {
+                "name": "spec",
+                "model": str(demo_compiled()[1]),  # the demo model with verify graphs (k=4)
+                "num_replicas": 1,
+                "engine_kwargs": {"speculative_config": SPEC_NGRAM},
+            },
         ],
     }
-    app = start_app(config, free_port(), hf_dir, devices=6)
+    app = start_app(config, free_port(), hf_dir, devices=7)
     app.embed_model_dir = build_tiny_encoder()
     app.vlm_model_dir = build_tiny_vlm()
     app.qwen_vl_model_dir = build_tiny_vlm(family="qwen2_vl")

@@ -663,6 +663,44 @@ def test_no_content_part_makes_a_replica_fetch_a_url(demo_app: RunningApp, recor
     assert hits == []
 
 
+def test_completions_and_streams_equal_transformers_with_ngram(demo_app: RunningApp) -> None:
+    """Speculative decoding behind the Serve app: a model's ``engine_kwargs`` carry vLLM's
+    ``speculative_config`` (issue #34). Completions and chat, plain and streamed, through
+    the ``openai`` client equal transformers' greedy text, and the replica's vLLM metrics
+    (Ray's export) count accepted drafts."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from tests.ray_metrics import metric_sum
+
+    tok = AutoTokenizer.from_pretrained(demo_app.model_dir)
+    client = openai.OpenAI(base_url=f"{demo_app.url}/v1", api_key=API_KEY, max_retries=0)
+
+    def expected(ids: list[int]) -> str:
+        return tok.decode(hf_greedy(demo_app.model_dir, [ids], 40)[0]).rstrip("\ufffd")
+
+    kw = {"model": "spec", "max_tokens": 40, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    prompt = "class Parser:\n    def parse(self, text):\n"
+    want = expected(tok(prompt)["input_ids"])
+    assert client.completions.create(prompt=prompt, **kw).choices[0].text == want
+    chunks = client.completions.create(prompt=prompt, stream=True, **kw)
+    assert "".join(c.choices[0].text for c in chunks) == want
+
+    messages = [{"role": "user", "content": "read a file line by line"}]
+    chat_prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    chat_want = expected(tok(chat_prompt, add_special_tokens=False)["input_ids"])
+    streamed = client.chat.completions.create(messages=messages, stream=True, **kw)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat_want
+
+    # The replica's engine verified drafts (its vLLM metrics, exported by Ray every second).
+    name = "ray_vllm_spec_decode_num_accepted_tokens_total"
+    deadline = time.monotonic() + 60
+    while metric_sum(name) <= 0 and time.monotonic() < deadline:
+        time.sleep(1)  # a bounded poll of Ray's metrics export, not a synchronisation
+    assert metric_sum(name) > 0
+    assert metric_sum("ray_vllm_spec_decode_num_draft_tokens_total") > metric_sum(name)
+
+
 def test_health_reflects_a_dead_replica(demo_app: RunningApp) -> None:
     """Runs last in this module: it kills a replica, then waits for Serve to replace it."""
     import ray
