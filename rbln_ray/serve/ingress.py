@@ -254,7 +254,7 @@ class OpenAIIngress:
         accepts = ("image",) if parsed.model in self.image_models else ()
         return await asyncio.to_thread(check_media, parsed.model, parts, accepts, self.limits)
 
-    async def _relay(self, parsed: Any, method: str) -> Response:
+    async def _relay(self, parsed: Any, method: str, session: str | None = None) -> Response:
         """Call the model's server and turn its stream into a JSON or SSE response.
 
         A call whose replica or engine died before the first item (the whole body, or the
@@ -266,7 +266,9 @@ class OpenAIIngress:
 
         handle = self.servers[parsed.model].options(stream=True)
         for attempt in (1, 2):
-            stream = getattr(handle, method).remote(parsed)
+            # a session (x-session-id) is a routing key: rbln_ray.serve.cache_routing
+            hint = {"session": session} if session else {}
+            stream = getattr(handle, method).remote(parsed, **hint)
             try:
                 first = await stream.__anext__()
                 break
@@ -325,7 +327,9 @@ class OpenAIIngress:
         if encoding not in (None, "float", "base64"):
             # vLLM's bytes encodings stream raw tensors, which the replica does not relay.
             return error_response(400, f"encoding_format={encoding!r}: use 'float' or 'base64'")
-        return await self._relay(parsed, method)
+        # completions and chat take a session (x-session-id), a routing key
+        session = request.headers.get("x-session-id") if method in ("completions", "chat") else None
+        return await self._relay(parsed, method, session)
 
     # ---------------------------------------------------------------- routes
     @app.post("/v1/completions")

@@ -113,7 +113,9 @@ class LLMServer:
     of sending it more requests until the next health check.
     """
 
-    async def __init__(self, cfg: dict[str, Any], limits: dict[str, Any] | None = None) -> None:
+    async def __init__(
+        self, cfg: dict[str, Any], limits: dict[str, Any] | None = None, kv_events: bool = False
+    ) -> None:
         import ray
         from ray import serve
         from starlette.datastructures import State
@@ -142,6 +144,12 @@ class LLMServer:
         os.environ.setdefault("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "0")
         limits_cfg = RequestLimits.model_validate(limits or {})
         args = engine_namespace(self.cfg, resolve_model_path(self.cfg.model), limits_cfg)
+        self._kv_events = None
+        if kv_events:  # routing: cache_aware (rbln_ray.serve.kv_events)
+            from rbln_ray.serve.kv_events import KVEventListener
+
+            self._kv_events = KVEventListener.start()
+            args.kv_events_config = self._kv_events.engine_config()
         engine_args = AsyncEngineArgs.from_cli_args(args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         # The replica's placement group holds the RBLN bundles its worker actors will use.
@@ -243,11 +251,13 @@ class LLMServer:
             logger.debug("engine shutdown after its death failed", exc_info=True)
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
-    async def completions(self, request: Any) -> AsyncIterator[Any]:
+    # ``session``: the x-session-id header, a routing key for cache-aware routing (read by
+    # the router from the call, unused here).
+    async def completions(self, request: Any, session: str | None = None) -> AsyncIterator[Any]:
         async for item in self._route("openai_serving_completion", "create_completion", request):
             yield item
 
-    async def chat(self, request: Any) -> AsyncIterator[Any]:
+    async def chat(self, request: Any, session: str | None = None) -> AsyncIterator[Any]:
         async for item in self._route("openai_serving_chat", "create_chat_completion", request):
             yield item
 
@@ -281,6 +291,12 @@ class LLMServer:
     async def models(self) -> dict[str, Any]:
         return (await self.state.openai_serving_models.show_available_models()).model_dump()
 
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's routing stats: what this replica's prefix cache holds (cache-aware routing
+        only, :mod:`rbln_ray.serve.kv_events`)."""
+        listener = getattr(self, "_kv_events", None)
+        return listener.report() if listener is not None else {}
+
     async def check_health(self) -> None:
         """Serve's replica health check: a dead engine marks the replica unhealthy."""
         await self.engine.check_health()
@@ -295,6 +311,9 @@ class LLMServer:
         return {"pid": os.getpid(), "actor_name": actor, "workers": infos, "steps": stats}
 
     def __del__(self) -> None:
+        listener = getattr(self, "_kv_events", None)
+        if listener is not None:
+            listener.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
