@@ -62,6 +62,10 @@ class CompiledArtifact:
     # graphs.
     vision_family: str = ""
     dtype: str = "float32"  # what the compiled graphs compute in (optimum's rbln_config dtype)
+    # Some layers keep a per-sequence state in one row per compiled batch slot (Qwen3.5's
+    # linear attention, optimum's linear_attention_layers): a prefill names the row
+    # (batch_idx) and every decode step runs the full batch, device row i on state row i.
+    state_slots: bool = False
 
     def __post_init__(self) -> None:
         if not self.max_num_seqs:
@@ -140,6 +144,7 @@ class CompiledArtifact:
             prefill_resumable=_prefill_resumable(raw.get("cls_name", "")),
             vision_family=vision.name if vision is not None else "",
             dtype=raw.get("dtype") or "float32",
+            state_slots=bool(raw.get("linear_attention_layers")),
         )
 
 
