@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             "settings": vars(args) | {"compiled": str(compiled)},
             "wall_s": time.time() - t0,
             "results": {"serve (http)": serve, "in-process, ray executor": inproc},
-            "goals": {"serve_over_in_process_256_streams": goal},
+            "goals": {f"serve_over_in_process_{args.concurrency}_streams": goal},
             "note": "emulator timing mode: outputs are garbage; device latency is modelled",
         },
         args.quick,
