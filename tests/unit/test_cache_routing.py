@@ -311,3 +311,32 @@ def test_router_config_names_this_router_and_reports_every_second(tmp_path) -> N
     assert router_config(cfg.model_copy(update={"engine_kwargs": {}}), 8).request_router_kwargs[
         "tokenizer"
     ] == str(tmp_path)
+
+
+def test_router_reads_http_calls_and_honours_a_required_replica() -> None:
+    """The ingress forwards an HTTPCall (JSON body bytes, the x-session-id header among its
+    forwarded headers); a call naming a replica (a stored Responses API response) goes
+    there whatever the caches say."""
+    import json
+
+    from rbln_ray.serve.http_call import HTTPCall, forwarded_headers
+
+    async def scenario() -> None:  # PendingRequest needs a running loop
+        router = make_router()
+        doc = list(range(4000, 4000 + 4 * BS))
+        a, b = replica("a", routing_stats=report(doc)), replica("b")
+        headers = forwarded_headers([(b"X-Session-Id", b"conv-1"), (b"cookie", b"x")])
+        call = HTTPCall("POST", "/v1/completions", headers=headers,
+                        body=json.dumps({"prompt": doc + [7]}).encode())  # fmt: skip
+        assert session_of(call, {}) == "conv-1"
+        rid = uuid.uuid4().hex
+        meta = RequestMetadata(request_id=rid, internal_request_id=rid)
+        # the body's prompt starts with what a reported holding
+        assert await first(router, [a, b], PendingRequest([call], {}, meta)) == "a"
+        pinned_call = HTTPCall("POST", "/v1/responses", body=call.body, replica="b")
+        rid = uuid.uuid4().hex
+        meta = RequestMetadata(request_id=rid, internal_request_id=rid)
+        groups = await router.choose_replicas([a, b], PendingRequest([pinned_call], {}, meta))
+        assert [[r.replica_id.unique_id for r in g] for g in groups] == [["b"]]
+
+    asyncio.run(scenario())
