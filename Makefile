@@ -10,10 +10,13 @@ PEER       := .venv-vllm-rbln
 PEER_STAMP := $(PEER)/.peer-installed
 # Debian's Prometheus binary for the metrics test (its rule, below, says why there).
 PROMETHEUS := $(BIN)/prometheus
+# Debian's HAProxy for the cluster-goodput benchmark (its rule, below, says why there).
+HAPROXY := $(BIN)/haproxy
+HAPROXY_DEBS := haproxy liblua5.3-0 libopentracing-c-wrapper0 libopentracing1
 
 .PHONY: setup install peer-env test test-fast test-smoke lint demo clean ssh-test-tools
 
-setup: install $(PEER_STAMP) ssh-test-tools $(PROMETHEUS)
+setup: install $(PEER_STAMP) ssh-test-tools $(PROMETHEUS) $(HAPROXY)
 
 # What a cluster node needs (the `ray up` configs' setup command): the stack, no test tools.
 install: $(STAMP) $(ALIAS_STAMP)
@@ -77,6 +80,27 @@ $(PROMETHEUS): | $(STAMP)
 	dpkg-deb --fsys-tarfile "$$tmp"/prometheus_*.deb | tar -x -O ./usr/bin/prometheus > "$$tmp/bin"; \
 	chmod 755 "$$tmp/bin" && mv "$$tmp/bin" $(PROMETHEUS)
 	$(PROMETHEUS) --version | head -1
+
+# The cluster-goodput benchmark (benchmarks/cluster_goodput.py) puts N x `vllm serve` behind a
+# round-robin HAProxy, what operators build by hand. Taken from Debian's packages as Prometheus
+# is, never installed (no service, no /etc/haproxy): the binary and the libraries it links that
+# a base system lacks (Lua 5.3, opentracing) go to $(VENV)/lib/haproxy/, and $(BIN)/haproxy
+# runs the binary with those libraries.
+$(HAPROXY): | $(STAMP)
+	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	( cd "$$tmp" && { apt-get download $(HAPROXY_DEBS) 2>/dev/null || \
+	  { apt-get update -qq && apt-get download $(HAPROXY_DEBS); }; } ); \
+	for deb in "$$tmp"/*.deb; do dpkg-deb -x "$$deb" "$$tmp/root"; done; \
+	rm -rf $(VENV)/lib/haproxy && mkdir -p $(VENV)/lib/haproxy; \
+	find "$$tmp/root/usr/lib" -name '*.so*' -exec cp -a {} $(VENV)/lib/haproxy/ \; ; \
+	cp "$$tmp/root/usr/sbin/haproxy" $(VENV)/lib/haproxy/haproxy; \
+	printf '%s\n' '#!/bin/sh' \
+	  '# Debian'"'"'s haproxy with the libraries `make setup` put beside it' \
+	  'lib="$$(dirname "$$(readlink -f "$$0")")/../lib/haproxy"' \
+	  'LD_LIBRARY_PATH="$$lib$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" exec "$$lib/haproxy" "$$@"' \
+	  > "$$tmp/wrapper"; \
+	chmod 755 "$$tmp/wrapper" && mv "$$tmp/wrapper" $(HAPROXY)
+	$(HAPROXY) -v | head -1
 
 # Everything (what .ci/run calls): lint, the layer order, then every test tier, one test file
 # per worker at a time (TEST_WORKERS=0: all in this process, in file order).

@@ -38,7 +38,7 @@ UNIT_SECONDS = {
     "tests/serve/test_openai_app.py": 450,
     "tests/pipeline/test_pipeline.py": 310,
     "tests/executor/test_ray_executor.py": 300,
-    "tests/serve/test_prefix_affinity.py": 220,
+    "tests/serve/test_prefix_affinity.py": 300,
     "tests/vllm_plugin/test_zoo_greedy.py": 210,
     "tests/serve/test_cli_serve.py": 200,
     "tests/serve/test_one_replica.py": 190,

@@ -129,6 +129,10 @@ def build_server(
         options["request_router_config"] = RequestRouterConfig(
             request_router_class="rbln_ray.serve.routing.PrefixAffinityRouter"
         )
+    elif routing == "cache_aware":
+        from rbln_ray.serve.cache_routing import router_config
+
+        options["request_router_config"] = router_config(cfg, compiled_batch_size(cfg))
     elif cfg.responses_store:
         options["request_router_config"] = RequestRouterConfig(
             request_router_class="rbln_ray.serve.routing.ResponseAffinityRouter"
@@ -138,7 +142,12 @@ def build_server(
     else:
         options["num_replicas"] = cfg.num_replicas
     limits_dump = (limits or RequestLimits()).model_dump()
-    return serve.deployment(LLMServer).options(**options).bind(cfg.model_dump(), limits_dump)
+    kv_events = {"kv_events": True} if routing == "cache_aware" else {}  # replicas report caches
+    return (
+        serve.deployment(LLMServer)
+        .options(**options)
+        .bind(cfg.model_dump(), limits_dump, **kv_events)
+    )
 
 
 def ingress_options(cfg: IngressConfig) -> dict[str, Any]:

@@ -6,7 +6,7 @@ Example (YAML)::
     host: 127.0.0.1          # used by `rbln-ray serve`; `serve run/deploy` take http_options
     port: 8000
     api_key: null            # or a string; `api_key_env` names an env var instead
-    routing: load_aware      # or prefix_affinity
+    routing: load_aware      # or prefix_affinity, cache_aware
     ingress: {num_replicas: 1, max_ongoing_requests: 4096, graceful_shutdown_timeout_s: 600}
     models:
       - name: demo
@@ -199,7 +199,8 @@ class AppConfig(_Strict):
     api_key: str | None = None
     api_key_env: str | None = None
     api_key_file: str | None = None
-    routing: Literal["load_aware", "prefix_affinity"] = "load_aware"
+    # cache_aware: rbln_ray.serve.cache_routing (sessions, replicas' reported caches, load)
+    routing: Literal["load_aware", "prefix_affinity", "cache_aware"] = "load_aware"
     # Browser origins allowed to call the app (CORS; `vllm serve`'s --allowed-origins, which
     # defaults to every origin). Empty: no CORS headers, browsers refuse cross-origin calls.
     cors_allowed_origins: list[str] = Field(default_factory=list)

@@ -24,6 +24,7 @@ FORWARDED_HEADERS = (
     b"traceparent",
     b"tracestate",
     b"endpoint-load-metrics-format",
+    b"x-session-id",  # a routing key of routing: cache_aware (rbln_ray.serve.cache_routing)
 )
 # Response headers the ingress does not copy: its server sets them for its own connection.
 HOP_BY_HOP = (b"content-length", b"transfer-encoding", b"connection", b"keep-alive")

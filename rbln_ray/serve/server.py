@@ -133,7 +133,9 @@ class LLMServer:
     of sending it more requests until the next health check.
     """
 
-    async def __init__(self, cfg: dict[str, Any], limits: dict[str, Any] | None = None) -> None:
+    async def __init__(
+        self, cfg: dict[str, Any], limits: dict[str, Any] | None = None, kv_events: bool = False
+    ) -> None:
         import types
 
         import ray
@@ -169,6 +171,12 @@ class LLMServer:
             os.environ["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
         limits_cfg = RequestLimits.model_validate(limits or {})
         args = engine_namespace(self.cfg, resolve_model_path(self.cfg.model), limits_cfg)
+        self._kv_events = None
+        if kv_events:  # routing: cache_aware (rbln_ray.serve.kv_events)
+            from rbln_ray.serve.kv_events import KVEventListener
+
+            self._kv_events = KVEventListener.start()
+            args.kv_events_config = self._kv_events.engine_config()
         engine_args = AsyncEngineArgs.from_cli_args(args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         # The replica's placement group holds the RBLN bundles its worker actors will use.
@@ -318,6 +326,12 @@ class LLMServer:
         """The model's ``/v1/models`` list (vLLM's ``ModelList``)."""
         return (await self.state.openai_serving_models.show_available_models()).model_dump()
 
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's routing stats: what this replica's prefix cache holds (cache-aware routing
+        only, :mod:`rbln_ray.serve.kv_events`)."""
+        listener = getattr(self, "_kv_events", None)
+        return listener.report() if listener is not None else {}
+
     async def check_health(self) -> None:
         """Serve's replica health check: a dead engine marks the replica unhealthy."""
         await self.engine.check_health()
@@ -332,6 +346,9 @@ class LLMServer:
         return {"pid": os.getpid(), "actor_name": actor, "workers": infos, "steps": stats}
 
     def __del__(self) -> None:
+        listener = getattr(self, "_kv_events", None)
+        if listener is not None:
+            listener.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -1,5 +1,7 @@
-"""Prefix-affinity routing end to end: a prefix group stays on one replica, whose vLLM prefix
-cache then hits, visible per replica in Ray's metrics export."""
+"""Cache-aware routing end to end (``routing: cache_aware``, two replicas): a prefix group
+stays on one replica, whose vLLM prefix cache then hits (visible per replica in Ray's metrics
+export); a session's turns stay on the replica that reports holding its history, traffic
+moves on when that replica is full, and routing recovers when it is killed."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def affinity_app() -> Iterator[RunningApp]:
     hf_dir = demo_model_dir()
     compiled = resolve_compiled_dir(hf_dir, CompileSettings.from_dict(DEMO_COMPILE))
     config = {
-        "routing": "prefix_affinity",
+        "routing": "cache_aware",
         "models": [{"name": "demo", "model": str(compiled), "num_replicas": 2}],
     }
     app = start_app(config, free_port(), hf_dir)
@@ -40,15 +42,15 @@ def affinity_app() -> Iterator[RunningApp]:
         stop_app()
 
 
-def replica_prefills() -> dict[int, int]:
-    """Completed prefills per replica (keyed by replica pid), from every replica."""
+def replica_prefills() -> dict[str, int]:
+    """Completed prefills per replica (keyed by its actor name), from every replica."""
     from ray import serve
 
     handle = serve.get_deployment_handle("LLMServer:demo", "rbln-ray")
-    seen: dict[int, int] = {}
+    seen: dict[str, int] = {}
     for _ in range(60):  # each call reaches one replica: 60 calls miss one w.p. 2^-60
         stats = handle.engine_stats.remote().result()
-        seen[stats["pid"]] = sum(s["prefill_requests"] for s in stats["steps"])
+        seen[stats["actor_name"]] = sum(s["prefill_requests"] for s in stats["steps"])
         if len(seen) == 2:
             return seen
     raise AssertionError(f"only reached replicas {sorted(seen)}")
@@ -74,7 +76,7 @@ def test_prefix_groups_stay_on_one_replica_and_hit_its_cache(affinity_app: Runni
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             assert list(pool.map(one, prompts)) == [200] * PER_GROUP
         after = replica_prefills()
-        served = {pid: after[pid] - before[pid] for pid in after}
+        served = {name: after[name] - before[name] for name in after}
         assert sum(served.values()) == PER_GROUP, served
         shares.append(max(served.values()) / PER_GROUP)
     assert min(shares) >= 0.9, f"share of each group on its busiest replica: {shares}"
@@ -92,3 +94,126 @@ def test_prefix_groups_stay_on_one_replica_and_hit_its_cache(affinity_app: Runni
     # the shared system prompts hit.
     assert len(queries) == 2, f"per-replica prefix-cache query counters missing: {queries}"
     assert sum(hits.values()) > 0, hits
+
+
+# ------------------------------------------------------------------ sessions (issue 35)
+def chat_turn(app: RunningApp, session: str, history: list[dict], turn: int, **extra) -> dict:
+    """One turn of a conversation (its history grows by the user text and an answer)."""
+    history.append({"role": "user", "content": f"# turn {turn}: extend helper_{turn}\n"})
+    body = {"model": "demo", "messages": list(history), "max_tokens": 4, "temperature": 0}
+    body |= {"return_token_ids": True, **extra}
+    r = httpx.post(
+        f"{app.url}/v1/chat/completions",
+        json=body,
+        headers={"x-session-id": session},
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    history.append({"role": "assistant", "content": f"    return value * {turn}\n"})
+    return {"body": body, "response": r.json()}
+
+
+def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {name: count - before.get(name, 0) for name, count in after.items()}
+
+
+def reachable_replicas() -> dict[str, int]:
+    """:func:`replica_prefills` of the replicas Serve reaches now (one while one restarts)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMServer:demo", "rbln-ray")
+    seen: dict[str, int] = {}
+    for _ in range(30):
+        stats = handle.engine_stats.remote().result()
+        seen[stats["actor_name"]] = sum(s["prefill_requests"] for s in stats["steps"])
+    return seen
+
+
+def replica_reports() -> list[dict]:
+    """Every replica's routing stats as it would report them now (distinct reports)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMServer:demo", "rbln-ray")
+    found: dict[tuple, dict] = {}
+    for _ in range(60):
+        stats = handle.record_routing_stats.remote().result()
+        found[tuple(stats["kv_blocks"])] = stats
+    return list(found.values())
+
+
+def test_a_session_sticks_moves_when_full_and_survives_its_replica(
+    affinity_app: RunningApp,
+) -> None:
+    """Issue 35, acceptance 2. (1) A 4-turn session lands on one replica, which reports
+    holding its last prompt's blocks under the keys the router computes from the prompt's
+    tokens (the router's tokenization equals vLLM's renderer's); (2) 16 concurrent turns of
+    that session spill to the other replica once its replica is loaded; (3) with that
+    replica killed the next turn succeeds, the session continues on the survivor, and the
+    replica Serve starts in its place takes new sessions."""
+    import ray
+
+    from rbln_ray.serve.cache_routing import PromptTokenizer
+    from rbln_ray.serve.kv_index import chain_hashes
+
+    tokenizer = PromptTokenizer(str(affinity_app.model_dir))
+    history = [{"role": "system", "content": system_prompt(7)}]
+    before = replica_prefills()
+    turns = [chat_turn(affinity_app, "alice", history, t) for t in range(4)]
+    served = delta(before, replica_prefills())
+    assert sorted(served.values()) == [0, 4], served
+    home = max(served, key=served.get)
+    other = next(name for name in served if name != home)
+    for turn in turns:  # the router's tokens are the replica's prompt tokens
+        assert tokenizer.tokens(turn["body"]) == turn["response"]["prompt_token_ids"]
+
+    last = turns[-1]["response"]["prompt_token_ids"]
+
+    def holders() -> int:
+        reports = replica_reports()
+        size = next((r["kv_block_size"] for r in reports if r["kv_block_size"]), None)
+        keys = set(chain_hashes(last, size)) if size else set()
+        return sum(keys <= set(r["kv_blocks"]) for r in reports) if keys else -1
+
+    deadline = time.monotonic() + 60
+    while holders() != 1:  # the replica's KV event listener catches up within milliseconds
+        assert time.monotonic() < deadline, "no single replica reports the session's blocks"
+        time.sleep(0.5)  # polling the replicas' reports
+
+    # (2) a burst of the session's turns: its replica takes them up to the load slack, the
+    # rest go to the other replica
+    before = replica_prefills()
+    burst = [list(history) for _ in range(16)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(
+            pool.map(
+                lambda i: chat_turn(
+                    affinity_app, "alice", burst[i], 100 + i, max_tokens=48, ignore_eos=True
+                ),
+                range(16),
+            )
+        )
+    served = delta(before, replica_prefills())
+    assert served[home] >= 5 and served[other] >= 4, served
+
+    # (3) kill the session's replica; the next turn goes on
+    ray.kill(ray.get_actor(home, namespace="serve"), no_restart=True)
+    before_kill = dict(served)
+    chat_turn(affinity_app, "alice", history, 4)
+    deadline = time.monotonic() + 600
+    while len(seen := reachable_replicas()) != 2 or home in seen:  # Serve replaces it
+        assert time.monotonic() < deadline, f"no replacement replica: {seen}"
+        time.sleep(1)  # polling Serve's replica set
+    new = next(name for name in seen if name != other)
+    before = replica_prefills()
+    for t in range(5, 8):
+        chat_turn(affinity_app, "alice", history, t)
+    served = delta(before, replica_prefills())
+    assert served == {other: 3, new: 0}, (served, before_kill)
+    # new sessions with prompts nobody holds spread by their hash: the new replica takes some
+    before = replica_prefills()
+    for i in range(12):
+        chat_turn(
+            affinity_app, f"bob-{i}", [{"role": "system", "content": system_prompt(20 + i)}], 0
+        )
+    served = delta(before, replica_prefills())
+    assert served[new] >= 1 and sum(served.values()) == 12, served

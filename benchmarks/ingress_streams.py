@@ -1,0 +1,162 @@
+"""The ingress at high concurrency: 256 concurrent streams through the Serve app vs in-process.
+
+One emulated ATOM in timing mode (``--shape``, default llama-3-8b), the demo model compiled
+for ``--batch`` (default 256) decode rows, so every stream decodes at once and the device
+step is the same on both sides:
+
+1. the rbln-ray Serve app (1 replica) over HTTP: the load generator (benchmarks/loadgen.py)
+   keeps ``--concurrency`` streaming ``/v1/completions`` requests open;
+2. the same engine in-process: vLLM's ``AsyncLLM`` with ``RBLNRayExecutor`` (the replica's
+   executor) and the same ``--concurrency`` requests in flight.
+
+Goal (issue 35): Serve's output tok/s >= 0.98 x in-process. Where the time goes: CPU seconds
+per process of the Serve run (proxy, ingress, replica, engine core, worker, Ray's daemons,
+the load generator), from psutil, over the measured phase.
+
+    python -m benchmarks.ingress_streams [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import time
+from typing import Any
+
+from benchmarks import common
+from benchmarks.loadgen import run_load, wait_ready
+
+GOAL = 0.98
+ROLES = (  # process -> role, first match wins (Ray sets process titles)
+    ("proxy", r"ProxyActor"),
+    ("ingress", r"OpenAIIngress"),
+    ("replica (LLMServer)", r"LLMServer"),
+    ("engine core", r"EngineCore"),
+    ("worker actor", r"RBLNWorkerActor"),
+    ("serve controller", r"ServeController"),
+    ("ray daemons", r"raylet|gcs_server|dashboard|agent|log_monitor|monitor\.py"),
+)
+
+
+def cpu_by_role() -> dict[str, float]:
+    """CPU seconds so far of this process (the load generator) and its descendants (the
+    local Ray instance and everything it started), by role."""
+    import psutil
+
+    me = psutil.Process()
+    out: dict[str, float] = {}
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            title = proc.name() + " " + " ".join(proc.cmdline())
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        role = "load generator" if proc.pid == me.pid else "other"
+        for name, pattern in ROLES:
+            if proc.pid != me.pid and re.search(pattern, title):
+                role = name
+                break
+        out[role] = out.get(role, 0.0) + times.user + times.system
+    return out
+
+
+def serve_run(compiled, prompts, args) -> dict[str, Any]:
+    import ray
+    from ray import serve
+
+    common.emulator_env("timing", args.shape)
+    common.start_local_ray(num_cpus=8, rbln_devices=1)
+    try:
+        port = common.free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        url = common.deploy_serve_app(compiled, 1, port)
+        asyncio.run(wait_ready(url, 900))
+        before, t0 = cpu_by_role(), time.perf_counter()
+        res = asyncio.run(
+            run_load(url, "demo", prompts, args.output_len, args.concurrency, warmup=4)
+        )
+        wall = time.perf_counter() - t0
+        after = cpu_by_role()
+        res["cpu_s_by_role"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        res["cpu_share_by_role"] = {k: v / wall for k, v in res["cpu_s_by_role"].items()}
+        return res
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def inprocess_run(compiled, args) -> dict[str, Any]:
+    spec = {
+        "backend": "rbln",
+        "executor": "ray",
+        "model": str(compiled),
+        "api": "async",
+        "concurrency": args.concurrency,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "max_num_seqs": args.batch,
+        "max_model_len": args.max_seq_len,
+        "emulator_mode": "timing",
+        "timing_shape": args.shape,
+        "warmup": 4,
+    }
+    return common.run_json("engine_run.py", spec, common.base_env(), timeout=7200)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--batch", type=int, default=256, help="compiled decode rows")
+    p.add_argument("--num-prompts", type=int, default=768)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--shape", default="llama-3-8b")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.batch, args.num_prompts, args.output_len = 32, 32, 64, 32
+    hf, compiled = common.compiled_demo(args.batch, args.max_seq_len)
+    prompts = common.prompts(args.num_prompts, args.input_len, common.vocab_of(hf))
+    t0 = time.time()
+    print(f"== Serve app over HTTP, {args.concurrency} streams", flush=True)
+    serve = serve_run(compiled, prompts, args)
+    print(f"   {serve['output_tok_per_s']:.1f} tok/s, failed {serve['failed']}", flush=True)
+    print(f"== in-process AsyncLLM (RBLNRayExecutor), {args.concurrency} in flight", flush=True)
+    inproc = inprocess_run(compiled, args)
+    print(f"   {inproc['output_tok_per_s']:.1f} tok/s", flush=True)
+    ratio = serve["output_tok_per_s"] / inproc["output_tok_per_s"]
+    goal = {"ratio": ratio, "goal": GOAL, "met": ratio >= GOAL}
+    common.save(
+        "ingress_streams",
+        {
+            "settings": vars(args) | {"compiled": str(compiled)},
+            "wall_s": time.time() - t0,
+            "results": {"serve (http)": serve, "in-process, ray executor": inproc},
+            "goals": {f"serve_over_in_process_{args.concurrency}_streams": goal},
+            "note": "emulator timing mode: outputs are garbage; device latency is modelled",
+        },
+        args.quick,
+    )
+    plt = common.pyplot()
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
+    names = ["serve (http)", "in-process"]
+    ax0.bar(names, [serve["output_tok_per_s"], inproc["output_tok_per_s"]])
+    ax0.set_title(f"output tok/s, {args.concurrency} streams (ratio {ratio:.3f})")
+    shares = sorted(serve["cpu_share_by_role"].items(), key=lambda kv: -kv[1])
+    ax1.barh([k for k, _ in shares], [v for _, v in shares])
+    ax1.set_title("Serve run: CPU cores busy, by process role")
+    fig.tight_layout()
+    fig.savefig(common.plot_path("ingress_streams", args.quick))
+    print(f"goal serve/in-process >= {GOAL}: {'MET' if goal['met'] else 'NOT MET'} {goal}")
+    for role, share in shares:
+        print(f"   {role:>22}: {share:.2f} cores")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    raise SystemExit(main())

@@ -1,0 +1,280 @@
+"""Multi-turn chat and RAG sessions for serving benchmarks: an open-loop workload and its client.
+
+The workload (:func:`build_workload`, deterministic for a seed):
+
+- **tenants**, each with a ``system_len``-token system prompt; a session's tenant is drawn
+  Zipf-like (``zipf_s``), so a few tenants are hot;
+- **chat sessions** of ``turns`` turns (4-6 by default): each turn appends ``user_len``
+  (50-300) tokens of user text to the conversation, and the answer of the previous turn;
+- **RAG sessions** (``rag_fraction`` of sessions, 1-2 turns): the first turn carries one of
+  ``num_docs`` ``doc_len``-token documents (also drawn Zipf-like) before its question;
+- sessions **arrive as a Poisson process** at ``rate / mean turns per session`` (so requests
+  arrive at about ``rate`` per second); a session's next turn is sent when the previous one
+  has finished and the user has thought for an exponential ``think_s``; every turn asks for
+  ``output_len`` (32-128) tokens with ``ignore_eos``.
+
+Text is real text (windows of the local Python standard library, tokenized with the served
+model's tokenizer, so lengths are in that tokenizer's tokens). The previous answer a turn
+appends is the workload's own text of the answer's length, not what the server generated,
+so every system sees exactly the same prompts (in the emulator's timing mode the generated
+tokens are garbage anyway). Each request carries its session in an ``x-session-id`` header.
+
+The client (:func:`run_sessions`) streams ``/v1/chat/completions`` and records per request,
+as ``vllm bench serve`` defines them: TTFT (send to first streamed token), TPOT ((last token
+- first token) / (output tokens - 1)), prompt and output tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.common import summary
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    rate: float  # requests per second (sessions arrive at rate / mean turns)
+    duration_s: float  # sessions arrive during this long
+    seed: int = 0
+    tenants: int = 8
+    system_len: int = 1024
+    zipf_s: float = 1.0
+    num_docs: int = 8
+    doc_len: int = 2048
+    rag_fraction: float = 0.25
+    turns: tuple[int, int] = (4, 6)
+    rag_turns: tuple[int, int] = (1, 2)
+    user_len: tuple[int, int] = (50, 300)
+    rag_question_len: tuple[int, int] = (50, 150)
+    output_len: tuple[int, int] = (32, 128)
+    think_s: float = 3.0
+
+    def mean_turns(self) -> float:
+        chat = sum(self.turns) / 2
+        rag = sum(self.rag_turns) / 2
+        return (1 - self.rag_fraction) * chat + self.rag_fraction * rag
+
+
+@dataclass
+class Turn:
+    user: str
+    answer: str  # appended to the history after this turn
+    max_tokens: int
+
+
+@dataclass
+class Session:
+    sid: str
+    start_s: float
+    system: str
+    turns: list[Turn]
+    think_s: list[float]
+    doc: int | None = None  # RAG: which document the first turn carries
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+class TextSource:
+    """Windows of real text of a given length in the model's tokens."""
+
+    def __init__(self, tokenizer: Any, max_chars: int = 1_500_000) -> None:
+        from rbln_ray.models.tokenizer import corpus_files
+
+        text, size = [], 0
+        for path in corpus_files():
+            chunk = path.read_text(errors="replace")
+            text.append(chunk)
+            size += len(chunk)
+            if size >= max_chars:
+                break
+        self.tokenizer = tokenizer
+        self.ids = tokenizer.encode("\n".join(text), add_special_tokens=False)
+
+    def text(self, n: int, rng: random.Random) -> str:
+        start = rng.randrange(0, len(self.ids) - n - 1)
+        return self.tokenizer.decode(self.ids[start : start + n])
+
+
+def _zipf(n: int, s: float, rng: random.Random) -> int:
+    weights = [1 / (i + 1) ** s for i in range(n)]
+    return rng.choices(range(n), weights)[0]
+
+
+def build_workload(source: TextSource, spec: WorkloadSpec, tag: str) -> list[Session]:
+    """The sessions of one run (``tag`` makes session ids unique across runs)."""
+    fixed = random.Random(1234)  # tenants and documents are the same in every run
+    systems = [
+        f"You are the assistant of tenant {t}. Policies and reference code follow.\n"
+        + source.text(spec.system_len, fixed)
+        for t in range(spec.tenants)
+    ]
+    docs = [source.text(spec.doc_len, fixed) for _ in range(spec.num_docs)]
+    rng = random.Random(spec.seed)
+    session_rate = spec.rate / spec.mean_turns()
+    sessions, t, i = [], 0.0, 0
+    while True:
+        t += rng.expovariate(session_rate)
+        if t >= spec.duration_s:
+            break
+        rag = rng.random() < spec.rag_fraction
+        lo, hi = spec.rag_turns if rag else spec.turns
+        doc = _zipf(spec.num_docs, spec.zipf_s, rng) if rag else None
+        turns = []
+        for k in range(rng.randint(lo, hi)):
+            q_lo, q_hi = spec.rag_question_len if rag else spec.user_len
+            user = source.text(rng.randint(q_lo, q_hi), rng)
+            if doc is not None and k == 0:
+                user = f"Document:\n{docs[doc]}\n\nQuestion: {user}"
+            out = rng.randint(*spec.output_len)
+            turns.append(Turn(user, source.text(out, rng), out))
+        sessions.append(
+            Session(
+                sid=f"{tag}-s{i}",
+                start_s=t,
+                system=systems[_zipf(spec.tenants, spec.zipf_s, rng)],
+                turns=turns,
+                think_s=[rng.expovariate(1 / spec.think_s) for _ in turns],
+                doc=doc,
+            )
+        )
+        i += 1
+    return sessions
+
+
+async def _one(client: Any, url: str, body: dict, headers: dict, timeout: float) -> dict:
+    sent = time.perf_counter()
+    first = last = None
+    usage: dict[str, Any] = {}
+    try:
+        async with client.stream("POST", url, json=body, headers=headers, timeout=timeout) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode()[:200]
+                return {"sent": sent, "error": f"{resp.status_code}: {text}"}
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("error"):
+                    return {"sent": sent, "error": str(chunk["error"])[:200]}
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if chunk.get("choices"):
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+    except Exception as exc:  # noqa: BLE001 - a failed request is a data point
+        return {"sent": sent, "error": repr(exc)[:200]}
+    if first is None:
+        return {"sent": sent, "error": "no tokens"}
+    return {
+        "sent": sent,
+        "first": first,
+        "last": last,
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "output_tokens": usage.get("completion_tokens", 0),
+    }
+
+
+async def run_sessions(
+    base_url: str,
+    model: str,
+    sessions: list[Session],
+    stop_s: float,
+    timeout: float = 900.0,
+    progress: bool = True,
+    desc: str = "",
+) -> float:
+    """Play every session (open loop: sessions start at their times whatever the server
+    does) until ``stop_s`` after the start (no turn is sent later; turns under way finish);
+    fill each session's ``records`` (send and token times relative to the start); return the
+    wall time."""
+    import httpx
+    from tqdm import tqdm
+
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    total = sum(len(s.turns) for s in sessions)
+    bar = tqdm(total=total, desc=desc or base_url, disable=not progress)
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    start = time.perf_counter()
+
+    async def play(client: Any, s: Session) -> None:
+        await asyncio.sleep(max(0.0, s.start_s - (time.perf_counter() - start)))
+        history = [{"role": "system", "content": s.system}]
+        for turn, think in zip(s.turns, s.think_s, strict=True):
+            if time.perf_counter() - start >= stop_s:
+                bar.update(1)
+                continue  # past the measured window: the run winds down
+            history.append({"role": "user", "content": turn.user})
+            body = {
+                "model": model,
+                "messages": list(history),
+                "max_tokens": turn.max_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            record = await _one(client, url, body, {"x-session-id": s.sid}, timeout)
+            for key in ("sent", "first", "last"):
+                if key in record:
+                    record[key] -= start
+            s.records.append(record)
+            bar.update(1)
+            if record.get("error"):
+                return  # a conversation whose turn failed ends there
+            history.append({"role": "assistant", "content": turn.answer})
+            await asyncio.sleep(think)
+
+    async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
+        await asyncio.gather(*(play(client, s) for s in sessions))
+    bar.close()
+    return time.perf_counter() - start
+
+
+def summarise(
+    sessions: list[Session], window: tuple[float, float], ttft_slo_s: float, tpot_slo_s: float
+) -> dict[str, Any]:
+    """Throughput, TTFT/TPOT percentiles and goodput of the requests sent during ``window``
+    (seconds after the start: the steady state, after the sessions' ramp-up); rates are per
+    second of the window."""
+    lo, hi = window
+    records = [r for s in sessions for r in s.records if lo <= r["sent"] < hi]
+    sent_turns = len(records)
+    ok = [r for r in records if not r.get("error")]
+    if not ok:
+        return {"requests": sent_turns, "completed": 0, "failed": len(records)}
+    elapsed = hi - lo
+    ttft = [r["first"] - r["sent"] for r in ok]
+    tpot = [
+        (r["last"] - r["first"]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1
+    ]
+
+    def good(r: dict) -> bool:
+        per_token = (r["last"] - r["first"]) / max(1, r["output_tokens"] - 1)
+        return r["first"] - r["sent"] <= ttft_slo_s and per_token <= tpot_slo_s
+
+    met = sum(good(r) for r in ok)
+    return {
+        "requests": sent_turns,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "not_sent": sum(  # turns of conversations whose earlier turn failed
+            len(s.turns) - len(s.records)
+            for s in sessions
+            if any(r.get("error") for r in s.records)
+        ),
+        "elapsed_s": elapsed,
+        "req_per_s": len(ok) / elapsed,
+        "output_tok_per_s": sum(r["output_tokens"] for r in ok) / elapsed,
+        "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in ok),
+        "ttft_ms": summary(ttft, 1e3),
+        "tpot_ms": summary(tpot, 1e3),
+        "slo_met": met,
+        "slo_attainment": met / sent_turns if sent_turns else None,
+        "goodput_req_per_s": met / elapsed,
+        "errors": sorted({r["error"] for r in records if r.get("error")})[:5],
+    }

@@ -1,0 +1,422 @@
+"""Cache-aware routing (``routing: cache_aware``): each request goes where its prompt is cached.
+
+Why: in multi-turn chat and RAG every request repeats a long prefix (a tenant's system
+prompt, a conversation's history, a retrieved document). A replica that holds that prefix in
+its KV cache prefills only the new tokens; any other replica prefills it all again. Round
+robin (or least-load) scatters a conversation over every replica, so each re-prefills what
+another holds.
+
+What the router knows, per replica:
+
+* **what it caches**: each replica reports the blocks its prefix cache holds
+  (:mod:`rbln_ray.serve.kv_events`, from vLLM's KV cache events) as Serve ``routing_stats``,
+  keyed by :func:`~rbln_ray.serve.kv_index.chain_hashes` of their tokens. The router
+  tokenizes a request's prompt as the replica will (the model's tokenizer and chat template)
+  and counts how many of its leading blocks each replica holds;
+* **what it was just sent**: a report lags by up to ``request_routing_stats_period_s`` plus
+  the prefill itself, so the prompt blocks of requests this router sent a replica count as
+  held there while they run and for :data:`RECENT_TTL_S` after;
+* **its load**: requests in flight (this router's count, or Serve's queue-length cache when
+  larger: other ingress replicas route too) against its ``max_ongoing_requests``;
+* **the session**: requests naming a session (an ``x-session-id`` header, else the OpenAI
+  ``user`` field) prefer the replica that served the session last.
+
+Choice (:func:`order_candidates`): among replicas that are not full and carry at most
+``load_slack`` requests more than the least loaded one, the one holding the longest prefix of
+the prompt; ties go to the session's replica, then to a rendezvous hash of the session (or,
+without one, of the prompt's first characters), so a new conversation's turns, and a burst
+of requests sharing a prefix nobody holds yet, agree on a replica without any state, while
+distinct sessions spread evenly. A hot tenant therefore fills its replica only up to the
+slack before its new conversations spill to others (which then cache its system prompt too).
+The other replicas follow in the same order, so Serve moves on when the first is full when
+it probes it.
+
+Restarts and scale-ups: state is per replica id; a replica that leaves takes its reports,
+recent sends and sessions with it (its sessions go where their cached prefix or the hash
+sends them), and a new one starts with nothing cached and takes new work by load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from rbln_ray.serve.kv_events import STATS_BLOCK_SIZE, STATS_BLOCKS, STATS_EVENTS
+from rbln_ray.serve.kv_index import chain_hashes, held_prefix
+from rbln_ray.serve.routing import PREFIX_CHARS, pinned, rank, required_replica
+
+logger = logging.getLogger(__name__)
+
+SESSION_HEADER = "x-session-id"
+SESSION_KWARG = "session"  # the handle-call keyword the ingress passes the header in
+MAX_SESSION_CHARS = 256  # a longer session id is cut (it is only a routing key)
+DEFAULT_BLOCK_SIZE = 128  # vLLM block size until a replica reports its own (RBLN: the chunk)
+# Sent prompt blocks count as held for this long after their request ends: long enough for
+# the replica's next report (period 1 s, jittered by Serve, plus the broadcast) to show them.
+RECENT_TTL_S = 5.0
+STATS_PERIOD_S = 1.0  # request_routing_stats_period_s of cache-aware deployments
+MAX_SESSIONS = 100_000  # remembered session -> replica pairs (least recently used dropped)
+MAX_PENDING = 4096  # requests whose routing inputs are cached while they wait for a replica
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One replica as the policy sees it."""
+
+    replica_id: str
+    load: int  # requests in flight
+    capacity: int  # max_ongoing_requests
+    held_blocks: int  # leading blocks of this prompt the replica holds
+
+
+def order_candidates(
+    candidates: list[Candidate], session_replica: str | None, key: str, load_slack: int
+) -> list[str]:
+    """Replica ids, most preferred first (see the module docstring for the rule)."""
+    if not candidates:
+        return []
+    hashed = {rid: i for i, rid in enumerate(rank(key, [c.replica_id for c in candidates]))}
+    available = [c for c in candidates if c.load < c.capacity]
+    least = min((c.load for c in available), default=0)
+
+    def preference(c: Candidate) -> tuple:
+        near = c in available and c.load <= least + load_slack
+        return (
+            not near,
+            c not in available,
+            -c.held_blocks,
+            c.replica_id != session_replica,
+            hashed[c.replica_id],
+        )
+
+    return [c.replica_id for c in sorted(candidates, key=preference)]
+
+
+# ------------------------------------------------------------------ what a request says
+def _field(request: Any, name: str) -> Any:
+    if isinstance(request, dict):
+        return request.get(name)
+    return getattr(request, name, None)
+
+
+def _body(request: Any) -> Any:
+    """The request as fields: a parsed vLLM request or dict as is; an HTTP call object (a
+    ``body`` of JSON bytes) parsed."""
+    body = getattr(request, "body", None)
+    if isinstance(body, bytes | bytearray):
+        try:
+            parsed = json.loads(body or b"{}")
+        except ValueError:
+            return {}
+        return parsed if isinstance(parsed, dict) else {}
+    return request
+
+
+def session_of(request: Any, kwargs: dict[str, Any]) -> str | None:
+    """The request's session: the ``x-session-id`` header (passed as the ``session`` keyword,
+    or among an HTTP call's headers), else the OpenAI ``user`` field."""
+    session = kwargs.get(SESSION_KWARG)
+    if not session:
+        for name, value in getattr(request, "headers", None) or ():
+            if name.lower() in (SESSION_HEADER, SESSION_HEADER.encode()):
+                session = value.decode("latin-1") if isinstance(value, bytes) else value
+                break
+    if not session:
+        session = _field(_body(request), "user")
+    return str(session)[:MAX_SESSION_CHARS] if session else None
+
+
+def _text(content: Any) -> str:
+    """A chat message's content as vLLM's "string" content format renders it."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [
+            p.get("text", "") if isinstance(p, dict) else str(p)
+            for p in content
+            if not isinstance(p, dict) or p.get("type", "text") == "text"
+        ]
+        return "\n".join(parts)
+    return "" if content is None else str(content)
+
+
+class PromptTokenizer:
+    """The model's tokenizer and chat template, loaded on first use, to compute a request's
+    prompt tokens as the replica will (best effort: a template feature this does not
+    reproduce only costs cache hits, never correctness)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._tokenizer: Any = None
+        self._failed = path is None
+
+    def _load(self) -> Any:
+        if self._tokenizer is None and not self._failed:
+            try:
+                from transformers import AutoTokenizer
+
+                path = self.path
+                if path == "demo":
+                    from rbln_ray.models import demo_model_dir
+
+                    path = str(demo_model_dir())
+                self._tokenizer = AutoTokenizer.from_pretrained(path)
+            except Exception as exc:  # noqa: BLE001 - route by prefix text instead
+                logger.warning("cache-aware routing without tokens for %s: %s", self.path, exc)
+                self._failed = True
+        return self._tokenizer
+
+    def tokens(self, request: Any) -> list[int] | None:
+        body = _body(request)
+        prompt = _field(body, "prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+            prompt = prompt[0]  # several prompts: route by the first
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        tokenizer = self._load()
+        if tokenizer is None:
+            return None
+        try:
+            if isinstance(prompt, str):
+                special = _field(body, "add_special_tokens")
+                return tokenizer.encode(prompt, add_special_tokens=special is not False)
+            messages = _field(body, "messages")
+            if not messages:
+                return None
+            rendered = [
+                {"role": _field(m, "role"), "content": _text(_field(m, "content"))}
+                for m in messages
+            ]
+            generation = _field(body, "add_generation_prompt")
+            text = tokenizer.apply_chat_template(
+                rendered,
+                tokenize=False,
+                add_generation_prompt=generation is not False,
+                **(_field(body, "chat_template_kwargs") or {}),
+            )
+            special = _field(body, "add_special_tokens")
+            return tokenizer.encode(text, add_special_tokens=bool(special))
+        except Exception as exc:  # noqa: BLE001 - route without tokens
+            logger.debug("could not tokenize a request for routing: %s", exc)
+            return None
+
+
+def prefix_text(request: Any) -> str:
+    """The start of a request's prompt text (the rendezvous key without a session)."""
+    body = _body(request)
+    prompt = _field(body, "prompt")
+    if prompt is None and _field(body, "messages") is not None:
+        prompt = "\n".join(_text(_field(m, "content")) for m in _field(body, "messages"))
+    return str(prompt or "")[:PREFIX_CHARS]
+
+
+# ------------------------------------------------------------------ router state
+class _Recent:
+    """Keys of prompt blocks sent to one replica: held while their requests run (counted),
+    then until an expiry."""
+
+    def __init__(self) -> None:
+        self.running: Counter[int] = Counter()
+        self.expiry: dict[int, float] = {}
+
+    def __contains__(self, key: int) -> bool:
+        if self.running.get(key):
+            return True
+        expiry = self.expiry.get(key)
+        return expiry is not None and expiry > time.monotonic()
+
+    def add(self, keys: list[int]) -> None:
+        self.running.update(keys)
+
+    def done(self, keys: list[int], ttl: float) -> None:
+        until = time.monotonic() + ttl
+        for key in keys:
+            self.running[key] -= 1
+            if self.running[key] <= 0:
+                del self.running[key]
+                self.expiry[key] = until
+
+    def prune(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, t in self.expiry.items() if t <= now]:
+            del self.expiry[key]
+
+
+@dataclass
+class _Request:
+    session: str | None
+    key: str  # rendezvous key: the session, else the prompt prefix
+    tokens: list[int] | None
+    keys: dict[int, list[int]]  # block size -> chain keys
+    block_size: int = DEFAULT_BLOCK_SIZE  # the one it was last routed with
+
+    def chain(self, block_size: int) -> list[int]:
+        if self.tokens is None:
+            return []
+        if block_size not in self.keys:
+            self.keys[block_size] = chain_hashes(self.tokens, block_size)
+        return self.keys[block_size]
+
+
+class CacheAwareRouter(RequestRouter):
+    """Serve request router for ``routing: cache_aware`` (module docstring)."""
+
+    # As PrefixAffinityRouter: a busy replica may answer its queue-length probe late, and the
+    # request would leave the replica holding its cache for one that answered first.
+    queue_len_response_deadline_s = max(RequestRouter.queue_len_response_deadline_s, 0.5)
+
+    def initialize_state(
+        self,
+        tokenizer: str | None = None,
+        load_slack: int = 4,
+        recent_ttl_s: float = RECENT_TTL_S,
+    ) -> None:
+        self._tokenizer = PromptTokenizer(tokenizer)
+        self._load_slack = load_slack
+        self._recent_ttl_s = recent_ttl_s
+        self._pending: OrderedDict[str, _Request] = OrderedDict()
+        self._inflight: dict[str, tuple[str, _Request]] = {}  # request id -> replica, request
+        self._load: Counter[str] = Counter()
+        self._recent: dict[str, _Recent] = {}
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._reports: dict[str, tuple[int, frozenset[int], int | None]] = {}
+        self._routed = 0
+        self._live: set[str] = set()  # the replicas of the last choice
+
+    # ------------------------------------------------------------------ inputs
+    async def _request(self, pending: PendingRequest) -> _Request:
+        rid = pending.metadata.internal_request_id
+        found = self._pending.get(rid)
+        if found is None:
+            arg = pending.args[0]
+            session = session_of(arg, pending.kwargs)
+            tokens = await asyncio.to_thread(self._tokenizer.tokens, arg)
+            found = _Request(session, session or prefix_text(arg), tokens, {})
+            self._pending[rid] = found
+            while len(self._pending) > MAX_PENDING:
+                self._pending.popitem(last=False)
+        return found
+
+    def _held(self, replica: RunningReplica) -> tuple[frozenset[int], int | None]:
+        """The keys a replica last reported (parsed once per report) and its block size."""
+        rid = replica.replica_id.unique_id
+        stats = replica.routing_stats or {}
+        events = stats.get(STATS_EVENTS)
+        cached = self._reports.get(rid)
+        if cached is None or cached[0] != events:
+            cached = (events, frozenset(stats.get(STATS_BLOCKS) or ()), stats.get(STATS_BLOCK_SIZE))
+            self._reports[rid] = cached
+        return cached[1], cached[2]
+
+    def _block_size(self, candidates: list[RunningReplica]) -> int:
+        for replica in candidates:
+            _, size = self._held(replica)
+            if size:
+                return size
+        return DEFAULT_BLOCK_SIZE
+
+    def _candidate(self, replica: RunningReplica, keys: list[int]) -> Candidate:
+        rid = replica.replica_id.unique_id
+        reported, _ = self._held(replica)
+        recent = self._recent.get(rid) or _Recent()
+        cached_len = self.replica_queue_len_cache.get(replica.replica_id) or 0
+        return Candidate(
+            replica_id=rid,
+            load=max(self._load[rid], cached_len),
+            capacity=replica.max_ongoing_requests,
+            held_blocks=held_prefix(keys, reported, recent),
+        )
+
+    # ------------------------------------------------------------------ Serve's hooks
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if pending_request is None or not pending_request.args:
+            return [candidate_replicas]
+        replica = required_replica(pending_request)  # a stored Responses API response's
+        if replica:
+            return pinned(candidate_replicas, replica)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if by_id.keys() != self._live:  # Serve passes every running replica
+            self._live = set(by_id)
+            self._forget_except(self._live)
+        request = await self._request(pending_request)
+        request.block_size = self._block_size(candidate_replicas)
+        keys = request.chain(request.block_size)
+        session_replica = self._sessions.get(request.session) if request.session else None
+        order = order_candidates(
+            [self._candidate(r, keys) for r in candidate_replicas],
+            session_replica,
+            request.key,
+            self._load_slack,
+        )
+        return [[by_id[rid]] for rid in order]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: Any, result: Any
+    ) -> None:
+        rid = replica_id.unique_id
+        request = self._pending.pop(pending_request.metadata.internal_request_id, None)
+        if request is None:
+            return
+        self._inflight[pending_request.metadata.internal_request_id] = (rid, request)
+        self._load[rid] += 1
+        self._recent.setdefault(rid, _Recent()).add(request.chain(request.block_size))
+        if request.session:
+            self._sessions[request.session] = rid
+            self._sessions.move_to_end(request.session)
+            while len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+        self._routed += 1
+        if self._routed % 256 == 0:
+            for recent in self._recent.values():
+                recent.prune()
+
+    def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
+        found = self._inflight.pop(internal_request_id, None)
+        if found is None:
+            return
+        rid, request = found
+        self._load[rid] = max(0, self._load[rid] - 1)
+        recent = self._recent.get(rid)
+        if recent is not None:
+            recent.done(request.chain(request.block_size), self._recent_ttl_s)
+
+    def _forget_except(self, live: set[str]) -> None:
+        """Drop what the router knows about replicas that are gone (restarted, scaled down,
+        dead: Serve no longer offers them): their reports, recent sends, load and sessions."""
+        for table in (self._reports, self._recent):
+            for rid in [r for r in table if r not in live]:
+                del table[rid]
+        for rid in [r for r in self._load if r not in live]:
+            del self._load[rid]
+        gone = [s for s, rid in self._sessions.items() if rid not in live]
+        for session in gone:
+            del self._sessions[session]
+
+
+def router_config(cfg: Any, batch_size: int) -> Any:
+    """Serve's ``RequestRouterConfig`` of a cache-aware model deployment (``cfg``: its
+    :class:`~rbln_ray.serve.config.ModelDeploymentConfig`): this router, the tokenizer it
+    counts prompt blocks with (vLLM's ``tokenizer`` option, else the model's), the load slack
+    (one compiled batch: a replica may carry one batch more than the least loaded before a
+    request leaves its cache for load) and the report period."""
+    from ray.serve.config import RequestRouterConfig
+
+    return RequestRouterConfig(
+        request_router_class=f"{__name__}.CacheAwareRouter",
+        request_router_kwargs={
+            "tokenizer": cfg.engine_kwargs.get("tokenizer") or cfg.model,
+            "load_slack": max(1, batch_size),
+        },
+        request_routing_stats_period_s=STATS_PERIOD_S,
+    )

@@ -1,0 +1,104 @@
+"""Which prompt prefixes a replica's KV cache holds, in a key space the router can compute.
+
+Why a key of our own. vLLM names a cached block by a hash chained over the tokens of every
+block before it, salted per process (``PYTHONHASHSEED``) and by extra keys (LoRA, images,
+``cache_salt``): one replica's names mean nothing to the router or to another replica. Its KV
+cache events (``BlockStored``) carry each stored block's tokens and its parent's vLLM hash,
+so a replica can rename every block it holds by :func:`chain_hashes` over the same tokens,
+which the router computes from a request's prompt tokens alone: block ``i``'s key stands for
+the whole prefix ``tokens[: (i + 1) * block_size]``, so "the first ``k`` keys are held"
+means "``k`` blocks of this prompt need no prefill there".
+
+Pure bookkeeping (no vLLM, no ZeroMQ): :mod:`rbln_ray.serve.kv_events` feeds it the engine's
+events; :mod:`rbln_ray.serve.cache_routing` computes the same keys for requests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Hashable, Iterable, Sequence
+
+ROOT = b"rbln-ray-kv-root"  # the parent of every prompt's first block
+
+
+def _key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=8).digest()
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
+    """Keys of the full blocks of ``tokens`` (a partial last block has none), at most
+    ``limit``; key ``i`` depends on every token up to the end of block ``i``."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, not {block_size}")
+    count = len(tokens) // block_size
+    if limit is not None:
+        count = min(count, limit)
+    keys, parent = [], ROOT
+    for i in range(count):
+        parent = _key(parent, tokens[i * block_size : (i + 1) * block_size])
+        keys.append(int.from_bytes(parent, "big", signed=True))
+    return keys
+
+
+def held_prefix(keys: Sequence[int], *holds: Iterable[int] | set[int]) -> int:
+    """How many leading ``keys`` are in any of ``holds`` (sets or dict-likes)."""
+    count = 0
+    for key in keys:
+        if not any(key in h for h in holds):  # type: ignore[operator]
+            break
+        count += 1
+    return count
+
+
+class CachedBlocks:
+    """The blocks one engine's prefix cache holds, renamed to :func:`chain_hashes` keys.
+
+    Applies vLLM's KV cache events in order: ``stored`` (a block became cached, or a cached
+    one was reused: the same names again), ``removed`` (evicted), ``cleared`` (the whole
+    cache reset). A stored block whose parent this index never saw (an event lost before the
+    listener connected) cannot be renamed and is left out: the router then sees less cached
+    than there is, never more.
+    """
+
+    def __init__(self) -> None:
+        self._keys: dict[Hashable, bytes] = {}  # vLLM block hash -> our key
+        self.block_size: int | None = None
+        self.events = 0  # events applied (reports say how fresh they are)
+
+    def stored(
+        self,
+        block_hashes: Sequence[Hashable],
+        parent: Hashable | None,
+        token_ids: Sequence[int],
+        block_size: int,
+    ) -> None:
+        self.events += 1
+        if len(token_ids) != len(block_hashes) * block_size:
+            return  # a partial block (vLLM caches those only with hybrid block sizes)
+        if parent is None:
+            key = ROOT
+        elif parent in self._keys:
+            key = self._keys[parent]
+        else:
+            return
+        self.block_size = block_size
+        for i, block_hash in enumerate(block_hashes):
+            key = _key(key, token_ids[i * block_size : (i + 1) * block_size])
+            self._keys[block_hash] = key
+
+    def removed(self, block_hashes: Iterable[Hashable]) -> None:
+        self.events += 1
+        for block_hash in block_hashes:
+            self._keys.pop(block_hash, None)
+
+    def cleared(self) -> None:
+        self.events += 1
+        self._keys.clear()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def keys(self) -> list[int]:
+        """Every held block's key (sorted, so equal contents report equal lists)."""
+        return sorted({int.from_bytes(k, "big", signed=True) for k in self._keys.values()})

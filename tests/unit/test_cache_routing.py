@@ -1,0 +1,342 @@
+"""Cache-aware routing without a cluster: the block keys, a replica's index of vLLM's KV cache
+events (through vLLM's own ZeroMQ publisher), the policy, and the router's state."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from ray.serve._private.common import (
+    DeploymentHandleSource,
+    DeploymentID,
+    ReplicaID,
+    RequestMetadata,
+)
+from ray.serve.request_router import PendingRequest
+
+from rbln_ray.serve.cache_routing import (
+    CacheAwareRouter,
+    Candidate,
+    PromptTokenizer,
+    order_candidates,
+    router_config,
+    session_of,
+)
+from rbln_ray.serve.kv_events import STATS_BLOCK_SIZE, STATS_BLOCKS, STATS_EVENTS
+from rbln_ray.serve.kv_index import CachedBlocks, chain_hashes, held_prefix
+from rbln_ray.serve.routing import rank
+
+BS = 4  # a small block size keeps the token lists readable
+
+
+# ------------------------------------------------------------------ keys and the index
+def test_chain_keys_name_whole_prefixes() -> None:
+    tokens = list(range(10))
+    keys = chain_hashes(tokens, BS)
+    assert len(keys) == 2  # the partial last block has no key
+    assert chain_hashes(tokens[:8], BS) == keys
+    assert chain_hashes(tokens, BS, limit=1) == keys[:1]
+    # the same block after a different prefix is a different key
+    assert chain_hashes([9, 9, 9, 9, *tokens[4:8]], BS)[1] != keys[1]
+    assert chain_hashes([0, 1, 2, 3, 7, 7, 7, 7], BS)[0] == keys[0]
+    with pytest.raises(ValueError, match="block_size"):
+        chain_hashes(tokens, 0)
+    assert held_prefix(keys, {keys[0]}) == 1
+    assert held_prefix(keys, {keys[1]}) == 0  # a held block after a missing one does not count
+    assert held_prefix(keys, {keys[0]}, {keys[1]}) == 2
+
+
+def test_index_renames_vllm_blocks_to_prompt_keys() -> None:
+    index = CachedBlocks()
+    prompt = list(range(100, 112))  # 3 blocks
+    keys = chain_hashes(prompt, BS)
+    index.stored(["a", "b"], None, prompt[:8], BS)  # vLLM's hashes are opaque to the index
+    index.stored(["c"], "b", prompt[8:12], BS)  # the next block, its parent named by vLLM
+    assert index.keys() == sorted(keys) and index.block_size == BS
+    index.stored(["z"], "unknown-parent", [1, 2, 3, 4], BS)  # cannot be renamed: left out
+    index.stored(["p"], None, [1, 2], 2 * BS)  # a partial block: left out
+    assert index.keys() == sorted(keys)
+    index.stored(["a"], None, prompt[:4], BS)  # a reuse names the same block again
+    assert len(index) == 3
+    index.removed(["c"])
+    assert held_prefix(keys, set(index.keys())) == 2
+    index.cleared()
+    assert index.keys() == [] and index.events == 7
+
+
+def test_listener_indexes_what_vllms_publisher_sends() -> None:
+    """The engine's own publisher (vLLM's ZmqEventPublisher) to the replica's listener."""
+    from vllm.distributed.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        KVEventBatch,
+        ZmqEventPublisher,
+    )
+
+    from rbln_ray.serve.kv_events import KVEventListener
+
+    listener = KVEventListener.start()
+    config = listener.engine_config()
+    assert config.enable_kv_cache_events and config.endpoint == listener.endpoint
+    publisher = ZmqEventPublisher(0, endpoint=config.endpoint)
+    prompt = list(range(7, 7 + 3 * BS))
+    try:
+        # A subscriber misses what a PUB socket sends before their connection is up (ZeroMQ's
+        # "slow joiner"; an engine publishes nothing for seconds after it binds): clear until
+        # the listener hears it.
+        deadline = time.monotonic() + 60
+        while listener.report()[STATS_EVENTS] == 0:
+            assert time.monotonic() < deadline, "the listener never connected"
+            publisher.publish(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
+            time.sleep(0.05)
+        seen = listener.report()[STATS_EVENTS]
+        stored = BlockStored(
+            block_hashes=[11, 12, 13],
+            parent_block_hash=None,
+            token_ids=prompt,
+            block_size=BS,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
+        publisher.publish(KVEventBatch(ts=time.time(), events=[stored]))
+        publisher.publish(
+            KVEventBatch(ts=time.time(), events=[BlockRemoved(block_hashes=[13], medium="GPU")])
+        )
+        while listener.report()[STATS_EVENTS] < seen + 2:
+            assert time.monotonic() < deadline, "the listener never saw the events"
+            time.sleep(0.01)  # polling the listener thread's progress
+        report = listener.report()
+    finally:
+        publisher.shutdown()
+        listener.close()
+    assert report[STATS_BLOCK_SIZE] == BS
+    assert report[STATS_BLOCKS] == sorted(chain_hashes(prompt, BS)[:2])
+
+
+# ------------------------------------------------------------------ the policy
+def cand(rid: str, load: int = 0, held: int = 0, capacity: int = 8) -> Candidate:
+    return Candidate(replica_id=rid, load=load, capacity=capacity, held_blocks=held)
+
+
+def test_policy_prefers_the_cache_then_the_session_within_the_load_slack() -> None:
+    a, b, c = cand("a", held=3), cand("b", held=5), cand("c")
+    assert order_candidates([a, b, c], None, "k", load_slack=4)[0] == "b"
+    # equal caches: the session's replica, then the key's rendezvous hash (not the load:
+    # a burst sharing a new prefix stays together up to the slack)
+    a, b = cand("a", load=2, held=5), cand("b", load=1, held=5)
+    assert order_candidates([a, b], "a", "k", 4)[0] == "a"
+    assert order_candidates([a, b], "b", "k", 4)[0] == "b"
+    assert order_candidates([a, b], None, "k", 4) == rank("k", ["a", "b"])
+    # the cache's replica carries more than the slack over the least loaded: load wins
+    busy, idle = cand("a", load=6, held=9), cand("b", load=1)
+    assert order_candidates([busy, idle], "a", "k", 4) == ["b", "a"]
+    assert order_candidates([busy, idle], "a", "k", 5) == ["a", "b"]
+    # a full replica goes last whatever it holds
+    full = cand("a", load=8, held=9)
+    assert order_candidates([full, cand("b", load=7)], None, "k", 4) == ["b", "a"]
+    assert order_candidates([], None, "k", 4) == []
+
+
+def test_policy_spreads_new_sessions_and_agrees_on_each() -> None:
+    replicas = [cand(r) for r in ("a", "b", "c", "d")]
+    firsts = [order_candidates(replicas, None, f"session-{i}", 4)[0] for i in range(64)]
+    assert set(firsts) == {"a", "b", "c", "d"}
+    again = [order_candidates(replicas[::-1], None, f"session-{i}", 4)[0] for i in range(64)]
+    assert again == firsts  # the same key agrees on a replica whatever the order
+
+
+# ------------------------------------------------------------------ what a request says
+@dataclass
+class Call:
+    """An HTTP-call-like request (a JSON body and forwarded headers)."""
+
+    body: bytes
+    headers: tuple = ()
+
+
+def test_session_comes_from_the_header_then_the_user_field() -> None:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    chat = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], user="alice"
+    )
+    assert session_of(chat, {}) == "alice"
+    assert session_of(chat, {"session": "s-1"}) == "s-1"
+    call = Call(b'{"user": "bob"}', ((b"x-session-id", b"s-2"),))
+    assert session_of(call, {}) == "s-2"
+    assert session_of(Call(b'{"user": "bob"}'), {}) == "bob"
+    assert session_of(Call(b"not json"), {}) is None
+    assert len(session_of({"user": "x" * 10_000}, {})) == 256
+
+
+def test_prompt_tokens_as_the_replica_renders_them() -> None:
+    """Chat and text prompts tokenized with the model's tokenizer and template, as vLLM's
+    renderer does (the same prompt through vLLM's own renderer is the end-to-end test's);
+    token-id prompts as given."""
+    from transformers import AutoTokenizer
+
+    from rbln_ray.models.tokenizer import build_tokenizer
+
+    path = str(build_tokenizer())  # every locally built model's tokenizer and chat template
+    tok = PromptTokenizer(path)
+    hf = AutoTokenizer.from_pretrained(path)
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "def f():"}]},
+    ]
+    expected = hf.encode(
+        hf.apply_chat_template(
+            [
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "def f():"},
+            ],
+            tokenize=False,
+            add_generation_prompt=True,
+        ),
+        add_special_tokens=False,
+    )
+    assert tok.tokens({"messages": messages}) == expected
+    assert tok.tokens({"prompt": "import os"}) == hf.encode("import os")
+    assert tok.tokens({"prompt": [5, 6, 7]}) == [5, 6, 7]
+    assert tok.tokens({"prompt": [[5, 6], [7]]}) == [5, 6]
+    assert PromptTokenizer(None).tokens({"prompt": "x"}) is None
+    assert PromptTokenizer("/nonexistent").tokens({"prompt": "x"}) is None
+
+
+# ------------------------------------------------------------------ the router's state
+@dataclass
+class FakeReplica:
+    """What the router reads of Serve's RunningReplica."""
+
+    replica_id: ReplicaID
+    routing_stats: dict[str, Any] = field(default_factory=dict)
+    max_ongoing_requests: int = 8
+
+
+DEPLOYMENT = DeploymentID(name="LLMServer:m", app_name="app")
+
+
+def replica(name: str, **kw: Any) -> FakeReplica:
+    return FakeReplica(ReplicaID(name, DEPLOYMENT), **kw)
+
+
+def pending(prompt: list[int], **kwargs: Any) -> PendingRequest:
+    rid = uuid.uuid4().hex
+    meta = RequestMetadata(request_id=rid, internal_request_id=rid)
+    return PendingRequest(args=[{"prompt": prompt}], kwargs=kwargs, metadata=meta)
+
+
+def make_router(load_slack: int = 4) -> CacheAwareRouter:
+    router = CacheAwareRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(tokenizer=None, load_slack=load_slack, recent_ttl_s=60)
+    return router
+
+
+def report(tokens: list[int], events: int = 1) -> dict[str, Any]:
+    keys = chain_hashes(tokens, BS)
+    return {STATS_BLOCK_SIZE: BS, STATS_BLOCKS: keys, STATS_EVENTS: events}
+
+
+async def first(router: CacheAwareRouter, replicas: list[FakeReplica], req: PendingRequest) -> str:
+    groups = await router.choose_replicas(replicas, req)
+    assert all(len(g) == 1 for g in groups) and len(groups) == len(replicas)
+    return groups[0][0].replica_id.unique_id
+
+
+def test_router_follows_reported_caches_sends_and_sessions() -> None:
+    async def scenario() -> None:  # PendingRequest needs a running loop
+        router = make_router()
+        doc = list(range(1000, 1000 + 4 * BS))
+        a, b = replica("a", routing_stats=report(doc)), replica("b")
+        # a reported the document: a request that starts with it goes there
+        assert await first(router, [a, b], pending(doc + [1, 2, 3])) == "a"
+        # b did not report it yet, but was just sent it: the next request follows
+        other = list(range(2000, 2000 + 4 * BS))
+        req = pending(other + [9])
+        chosen = await first(router, [a, b], req)
+        router.on_request_routed(req, ReplicaID(chosen, DEPLOYMENT), None)
+        assert await first(router, [a, b], pending(other + [5, 5])) == chosen
+        # the send counts after its request ends too (until the TTL)
+        router.on_request_completed(ReplicaID(chosen, DEPLOYMENT), req.metadata.internal_request_id)
+        assert await first(router, [a, b], pending(other + [6, 6])) == chosen
+        # a session with no cached prefix anywhere sticks to where it went first
+        picks = set()
+        for turn in range(4):
+            req = pending([turn] * BS * (turn + 1), session="s")
+            chosen = await first(router, [a, b], req)
+            picks.add(chosen)
+            router.on_request_routed(req, ReplicaID(chosen, DEPLOYMENT), None)
+        assert len(picks) == 1
+
+    asyncio.run(scenario())
+
+
+def test_router_balances_load_and_forgets_dead_replicas() -> None:
+    async def scenario() -> None:  # PendingRequest needs a running loop
+        router = make_router(load_slack=2)
+        doc = list(range(3000, 3000 + 4 * BS))
+        a, b = replica("a", routing_stats=report(doc)), replica("b")
+        sent = []
+        for _ in range(8):  # all want a's cache; a takes up to the slack more than b
+            req = pending(doc + [1])
+            chosen = await first(router, [a, b], req)
+            router.on_request_routed(req, ReplicaID(chosen, DEPLOYMENT), None)
+            sent.append(chosen)
+        assert sent.count("a") - sent.count("b") <= 2 + 1 and sent.count("b") >= 3
+        # a dies: its state goes, and its session moves
+        req = pending([1] * BS, session="s")
+        router.on_request_routed(req, ReplicaID("a", DEPLOYMENT), None)
+        assert await first(router, [b], pending(doc)) == "b"  # Serve no longer offers a
+        assert "a" not in router._reports and "a" not in router._recent
+        assert router._sessions.get("s") is None
+        assert await first(router, [b], pending(doc, session="s")) == "b"
+
+    asyncio.run(scenario())
+
+
+def test_router_config_names_this_router_and_reports_every_second(tmp_path) -> None:
+    from rbln_ray.serve.config import ModelDeploymentConfig
+
+    cfg = ModelDeploymentConfig(name="m", model=str(tmp_path), engine_kwargs={"tokenizer": "t"})
+    config = router_config(cfg, batch_size=4)
+    assert config.request_router_class.endswith("cache_routing.CacheAwareRouter")
+    assert config.request_router_kwargs == {"tokenizer": "t", "load_slack": 4}
+    assert config.request_routing_stats_period_s == 1.0
+    assert router_config(cfg.model_copy(update={"engine_kwargs": {}}), 8).request_router_kwargs[
+        "tokenizer"
+    ] == str(tmp_path)
+
+
+def test_router_reads_http_calls_and_honours_a_required_replica() -> None:
+    """The ingress forwards an HTTPCall (JSON body bytes, the x-session-id header among its
+    forwarded headers); a call naming a replica (a stored Responses API response) goes
+    there whatever the caches say."""
+    import json
+
+    from rbln_ray.serve.http_call import HTTPCall, forwarded_headers
+
+    async def scenario() -> None:  # PendingRequest needs a running loop
+        router = make_router()
+        doc = list(range(4000, 4000 + 4 * BS))
+        a, b = replica("a", routing_stats=report(doc)), replica("b")
+        headers = forwarded_headers([(b"X-Session-Id", b"conv-1"), (b"cookie", b"x")])
+        call = HTTPCall("POST", "/v1/completions", headers=headers,
+                        body=json.dumps({"prompt": doc + [7]}).encode())  # fmt: skip
+        assert session_of(call, {}) == "conv-1"
+        rid = uuid.uuid4().hex
+        meta = RequestMetadata(request_id=rid, internal_request_id=rid)
+        # the body's prompt starts with what a reported holding
+        assert await first(router, [a, b], PendingRequest([call], {}, meta)) == "a"
+        pinned_call = HTTPCall("POST", "/v1/responses", body=call.body, replica="b")
+        rid = uuid.uuid4().hex
+        meta = RequestMetadata(request_id=rid, internal_request_id=rid)
+        groups = await router.choose_replicas([a, b], PendingRequest([pinned_call], {}, meta))
+        assert [[r.replica_id.unique_id for r in g] for g in groups] == [["b"]]
+
+    asyncio.run(scenario())
