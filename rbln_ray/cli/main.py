@@ -53,7 +53,12 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 def cmd_build_model(args: argparse.Namespace) -> int:
-    from rbln_ray.families.registry import DecoderFamily, EncoderFamily, family
+    from rbln_ray.families.registry import (
+        DecoderFamily,
+        EncoderFamily,
+        PoolingDecoderFamily,
+        family,
+    )
     from rbln_ray.models import (
         TinyModelSpec,
         build_tiny_encoder,
@@ -80,10 +85,13 @@ def cmd_build_model(args: argparse.Namespace) -> int:
         max_position_embeddings=args.max_position_embeddings,
         **shape,
     )
-    if isinstance(record, DecoderFamily):
+    if isinstance(record, DecoderFamily | PoolingDecoderFamily):
+        # a decoder-based embedder or reranker is its decoder's checkpoint (vLLM reads a
+        # reranker through the record's hf_overrides)
+        name = record.decoder_family if isinstance(record, PoolingDecoderFamily) else record.name
         moe = dict(num_experts=args.num_experts, experts_per_token=args.experts_per_token)
         path = build_tiny_model(
-            family=record.name,
+            family=name,
             sliding_window=args.sliding_window,
             out_dir=args.out,
             **decoder,

@@ -13,10 +13,13 @@ from pathlib import Path
 
 from rbln_ray.common.artifact_files import PIPELINE_MANIFEST, RBLN_CONFIG
 from rbln_ray.compile.encoders import EncoderArtifact
+from rbln_ray.compile.speech import SpeechArtifact
 from rbln_ray.families.registry import (
     DecoderFamily,
+    PoolingDecoderFamily,
     encoder_for_dir,
     family_for_config_class,
+    speech_for_dir,
     vision_for_dir,
 )
 
@@ -62,6 +65,10 @@ class CompiledArtifact:
     # graphs.
     vision_family: str = ""
     dtype: str = "float32"  # what the compiled graphs compute in (optimum's rbln_config dtype)
+    # A decoder compiled for embeddings (rbln_ray.families.registry.PoolingDecoderFamily, e.g.
+    # RBLNQwen3Model: its prefill returns every position's hidden state, it has no decode
+    # graph): the family's name. "" for a causal LM.
+    pooling: str = ""
 
     def __post_init__(self) -> None:
         if not self.max_num_seqs:
@@ -128,7 +135,8 @@ class CompiledArtifact:
             kvcache_num_blocks=int(raw["kvcache_num_blocks"]),
             attn_impl=raw.get("attn_impl", "eager"),
             prefill_chunk_size=int(raw.get("prefill_chunk_size", 128)),
-            decoder_batch_sizes=tuple(sorted(int(b) for b in raw["decoder_batch_sizes"])),
+            # None for an embedder (no decode graph)
+            decoder_batch_sizes=tuple(sorted(int(b) for b in raw["decoder_batch_sizes"] or ())),
             num_devices=int(num_devices),
             use_attention_mask=bool(raw.get("use_attention_mask")),
             requires_batch_sort=bool(raw.get("_requires_batch_sort")),
@@ -140,7 +148,13 @@ class CompiledArtifact:
             prefill_resumable=_prefill_resumable(raw.get("cls_name", "")),
             vision_family=vision.name if vision is not None else "",
             dtype=raw.get("dtype") or "float32",
+            pooling=_pooling(raw.get("cls_name", "")),
         )
+
+
+def _pooling(cls_name: str) -> str:
+    family = family_for_config_class(cls_name)
+    return family.name if isinstance(family, PoolingDecoderFamily) else ""
 
 
 def _prefill_resumable(cls_name: str) -> bool:
@@ -150,12 +164,12 @@ def _prefill_resumable(cls_name: str) -> bool:
 
 # Parsed artifacts of this process, by directory and the version of its config file: the
 # platform, scheduler, executor, worker and Serve builder all ask for the same one.
-_PARSED: dict[tuple[str, int], CompiledArtifact | EncoderArtifact] = {}
+_PARSED: dict[tuple[str, int], CompiledArtifact | EncoderArtifact | SpeechArtifact] = {}
 
 
-def load_artifact(path: str | Path) -> CompiledArtifact | EncoderArtifact:
-    """A compiled directory's artifact, parsed once per process: an encoder's (by its
-    ``config.json`` architecture) or a decoder's."""
+def load_artifact(path: str | Path) -> CompiledArtifact | EncoderArtifact | SpeechArtifact:
+    """A compiled directory's artifact, parsed once per process: an encoder's or a speech
+    model's (by its ``config.json`` architecture), or a decoder's."""
     path = Path(path)
     config = path / PIPELINE_MANIFEST
     if not config.is_file():
@@ -163,8 +177,12 @@ def load_artifact(path: str | Path) -> CompiledArtifact | EncoderArtifact:
     key = (str(path.resolve()), config.stat().st_mtime_ns if config.is_file() else -1)
     art = _PARSED.get(key)
     if art is None:
-        art = EncoderArtifact.load(path) if encoder_for_dir(path) is not None else None
-        art = art or CompiledArtifact.load(path)
+        if encoder_for_dir(path) is not None:
+            art = EncoderArtifact.load(path)
+        elif speech_for_dir(path) is not None:
+            art = SpeechArtifact.load(path)
+        else:
+            art = CompiledArtifact.load(path)
         _PARSED[key] = art
     return art
 

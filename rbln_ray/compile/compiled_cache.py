@@ -65,7 +65,7 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
     key = hashlib.sha256(
         (
             content_hash(model_dir)
-            + json.dumps(settings.as_dict(), sort_keys=True)
+            + json.dumps(settings.cache_fields(), sort_keys=True)
             + target_npu()
             + f"format-{ARTIFACT_FORMAT}"
         ).encode()

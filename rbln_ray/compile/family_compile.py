@@ -15,10 +15,13 @@ from pathlib import Path
 
 from rbln_ray.compile.settings import CompileSettings
 from rbln_ray.families.registry import (
+    POOLING_DECODERS,
     DecoderFamily,
     EncoderFamily,
+    SpeechFamily,
     UnsupportedModelError,
     VisionFamily,
+    embedder_of,
     family_for_dir,
 )
 
@@ -48,8 +51,25 @@ def compile_model(hf_dir: str | Path, out_dir: str | Path, settings: CompileSett
     for caveat in family.caveats(hf_config):
         logger.warning("%s (%s): %s", hf_dir, family.architecture, caveat)
     rbln_extra, hf_kwargs = family.compile_options(hf_config)
+    optimum_class = None
+    if settings.purpose == "embed":
+        embedder = embedder_of(family)
+        if embedder is None:
+            raise CompileConfigError(
+                f"{hf_dir}: rbln-ray compiles no embedding graph for {family.architecture}; "
+                "decoder-based embedders: "
+                + ", ".join(f"{f.name} ({f.architecture})" for f in POOLING_DECODERS.values())
+            )
+        optimum_class = embedder.optimum_class
     try:
-        return compile_hf_model(hf_dir, out_dir, settings, extra=rbln_extra, hf_kwargs=hf_kwargs)
+        return compile_hf_model(
+            hf_dir,
+            out_dir,
+            settings,
+            extra=rbln_extra,
+            hf_kwargs=hf_kwargs,
+            optimum_class=optimum_class,
+        )
     except (ValueError, NotImplementedError) as exc:
         # optimum-rbln validates its config (rbln_config classes, _update_rbln_config,
         # attention and sliding-window limits) with ValueError / NotImplementedError.
@@ -78,11 +98,23 @@ def compile_directory(
         raise CompileConfigError(
             f"{family.architecture}: pipeline stages are served for decoders only"
         )
+    if settings.purpose != "generate" and (
+        pipeline_stages > 1 or not isinstance(family, DecoderFamily)
+    ):
+        raise CompileConfigError(
+            f"{family.architecture}: purpose={settings.purpose} applies to a decoder compiled "
+            "as one stage"
+        )
     if isinstance(family, EncoderFamily):
         from rbln_ray.compile.encoders import compile_encoder
 
         compile_encoder(hf_dir, out_dir, settings)
         return f"{family.architecture} encoder ({family.task})"
+    if isinstance(family, SpeechFamily):
+        from rbln_ray.compile.speech import compile_speech
+
+        compile_speech(hf_dir, out_dir, settings)
+        return f"{family.architecture} (speech to text)"
     if isinstance(family, VisionFamily):
         from rbln_ray.compile.vision import compile_vision_language
 

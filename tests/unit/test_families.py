@@ -194,15 +194,20 @@ def test_every_record_names_real_classes_and_consumers_read_the_registry() -> No
     """Each record's optimum-rbln classes exist in the installed optimum-rbln and its
     transformers architecture in transformers; ``rbln-ray build-model`` offers exactly the
     registry's families; vLLM gets a declaration for exactly the records that name one."""
-    import optimum.rbln
     import transformers
 
     from rbln_ray.cli.main import parser
+    from rbln_ray.emulator import ensure_runtime
     from rbln_ray.families.registry import FAMILIES
     from rbln_ray.vllm_plugin import declarations
 
+    ensure_runtime()  # optimum-rbln imports rebel
+    import optimum.rbln
+
+    from rbln_ray.upstream.optimum_models import rbln_class
+
     for fam in FAMILIES.values():
-        assert hasattr(optimum.rbln, fam.optimum_class), fam.optimum_class
+        assert rbln_class(fam.optimum_class), fam.optimum_class  # optimum's, or rbln-ray's
         assert hasattr(transformers, fam.architecture), fam.architecture
     for fam in VISION.values():
         assert hasattr(optimum.rbln, fam.vision_tower), fam.vision_tower
