@@ -49,7 +49,8 @@ UNIT_SECONDS = {
     "tests/vllm_plugin/test_prefix_caching.py": 130,
     "tests/vllm_plugin/test_llm_greedy.py": 100,
     "tests/vllm_plugin/test_vllm_serve.py": 80,
-    "tests/vllm_plugin/test_embeddings.py": 90,
+    "tests/vllm_plugin/test_embeddings.py": 110,
+    "tests/vllm_plugin/test_speech.py": 100,
     "tests/vllm_plugin/test_vision_language.py": 60,
 }
 

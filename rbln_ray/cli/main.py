@@ -57,6 +57,7 @@ def cmd_build_model(args: argparse.Namespace) -> int:
         DecoderFamily,
         EncoderFamily,
         PoolingDecoderFamily,
+        SpeechFamily,
         family,
     )
     from rbln_ray.models import (
@@ -64,6 +65,7 @@ def cmd_build_model(args: argparse.Namespace) -> int:
         build_tiny_encoder,
         build_tiny_model,
         build_tiny_vlm,
+        build_tiny_whisper,
         demo_model_dir,
     )
 
@@ -79,6 +81,9 @@ def cmd_build_model(args: argparse.Namespace) -> int:
     )
     if isinstance(record, EncoderFamily):
         print(build_tiny_encoder(family=record.name, out_dir=args.out, **shape))
+        return 0
+    if isinstance(record, SpeechFamily):  # its own shape (an encoder and a decoder)
+        print(build_tiny_whisper(out_dir=args.out))
         return 0
     decoder = dict(
         num_kv_heads=args.num_kv_heads,
@@ -178,7 +183,8 @@ def parser() -> argparse.ArgumentParser:
 
     b = add_parser(
         "build-model",
-        help="build a local test model: decoder, encoder or vision-language (or train the demo)",
+        help="build a local test model: decoder, encoder, vision-language or speech (or train "
+        "the demo)",
     )
     from rbln_ray.families.registry import FAMILIES
 

@@ -119,9 +119,9 @@ class _RecordingEncoder:
         self.inputs: dict = {}
 
     def __call__(self, **inputs):
-        import torch
-
         from types import SimpleNamespace
+
+        import torch
 
         self.inputs = inputs
         return SimpleNamespace(logits=torch.zeros(inputs["input_ids"].shape[0], 1))
@@ -153,7 +153,9 @@ def test_cross_encoder_pairs_reach_the_graph_with_their_segment_ids() -> None:
     )
     single = SimpleNamespace(pooling_params=SimpleNamespace(extra_kwargs=None))
     lens = [6, 4]
-    segments = [RBLNPoolingRunner._segment_start(n, k) for n, k in zip([pair, single], lens)]
+    segments = [
+        RBLNPoolingRunner._segment_start(n, k) for n, k in zip([pair, single], lens, strict=True)
+    ]
     assert segments == [3, 4]
     ids = torch.ones(3, 8, dtype=torch.long)
     runner._encode(ids, torch.ones_like(ids), lens, segments)
