@@ -84,3 +84,24 @@ def reference(
             )
             out.append(gen[0, len(ids) :].tolist())
     return out
+
+
+def detected_language(model_dir: Path, audio: np.ndarray) -> str:
+    """The language vLLM's server detects when a request names none: the most likely of
+    Whisper's language tokens after ``<|startoftranscript|>`` (transformers on the same
+    weights, over the languages vLLM's Whisper accepts)."""
+    import torch
+    from transformers import AutoProcessor, WhisperForConditionalGeneration
+    from vllm.model_executor.models.whisper import WhisperForConditionalGeneration as VllmWhisper
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = WhisperForConditionalGeneration.from_pretrained(model_dir).eval()
+    tokenizer = processor.tokenizer
+    feats = processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")
+    sot = tokenizer.convert_tokens_to_ids("<|startoftranscript|>")
+    with torch.no_grad():
+        logits = model(
+            input_features=feats.input_features, decoder_input_ids=torch.tensor([[sot]])
+        ).logits[0, -1]
+    codes = list(VllmWhisper.supported_languages)
+    return max(codes, key=lambda c: float(logits[tokenizer.convert_tokens_to_ids(f"<|{c}|>")]))

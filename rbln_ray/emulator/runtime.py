@@ -167,7 +167,7 @@ class Runtime(KVHostTransfer):
         ]
         self.physical_devices = physical
         # Timing mode (see rbln_ray.emulator.timing): sleep the modelled latency, zero outputs.
-        self._timing = timing.GraphTiming(compiled_model) if timing.timing_enabled() else None
+        self._timing = timing.graph_timing(compiled_model) if timing.timing_enabled() else None
         logger.debug("emulated runtime on devices %s (node %s)", physical, node)
 
     def __call__(self, *inputs: torch.Tensor, out: Any = None, **named: torch.Tensor) -> Any:

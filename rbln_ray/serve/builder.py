@@ -91,6 +91,13 @@ def accepts_images(cfg: ModelDeploymentConfig) -> bool:
     return art is None and vision_for_dir(cfg.model) is not None
 
 
+def transcribes(cfg: ModelDeploymentConfig) -> bool:
+    """Whether the model is a speech-to-text model (/v1/audio/*)."""
+    from rbln_ray.families.registry import speech_for_dir
+
+    return cfg.model != DEMO_MODEL and speech_for_dir(cfg.model) is not None
+
+
 def replica_max_ongoing(cfg: ModelDeploymentConfig) -> int:
     """Requests Serve hands one replica at a time: by default 2 x its decode slots.
 
@@ -167,6 +174,12 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
     )
     lens = {m.name: compiled_max_seq_len(m) for m in config.models}
     image_models = [m.name for m in config.models if accepts_images(m)]
+    speech_models = [m.name for m in config.models if transcribes(m)]
     return ingress.bind(
-        servers, config.resolved_api_key(), config.limits.model_dump(), lens, image_models
+        servers,
+        config.resolved_api_key(),
+        config.limits.model_dump(),
+        lens,
+        image_models,
+        speech_models,
     )

@@ -127,7 +127,8 @@ class OpenAIIngress:
     ``max_model_lens`` maps each model to its compiled ``max_seq_len`` (when known), so a
     ``max_tokens`` beyond it or beyond the configured cap gets one message (:meth:`_parse`);
     ``image_models`` names the vision-language models (the only ones a chat message may give
-    images to, :mod:`rbln_ray.serve.media_policy`).
+    images to, :mod:`rbln_ray.serve.media_policy`), ``speech_models`` the speech-to-text ones
+    (the only ones ``/v1/audio/*`` reaches, :mod:`rbln_ray.serve.audio`).
     """
 
     async def __init__(
@@ -137,6 +138,7 @@ class OpenAIIngress:
         limits: dict[str, Any] | None = None,
         max_model_lens: dict[str, int | None] | None = None,
         image_models: list[str] | None = None,
+        speech_models: list[str] | None = None,
     ) -> None:
         from ray import serve
 
@@ -148,6 +150,7 @@ class OpenAIIngress:
         self.servers = servers
         self.max_model_lens = dict(max_model_lens or {})
         self.image_models = set(image_models or ())
+        self.speech_models = list(speech_models or ())  # /v1/audio/* (rbln_ray.serve.audio)
         self.api_key = api_key
         self.app_name = serve.get_replica_context().app_name
         self._status_task: asyncio.Future | None = None
@@ -359,6 +362,28 @@ class OpenAIIngress:
         from vllm.entrypoints.pooling.scoring.protocol import RerankRequest
 
         return await self._call(request, RerankRequest, "score")
+
+    @app.post("/v1/audio/transcriptions")
+    async def transcriptions(self, request: Request) -> Response:
+        return await self._speech(request, "transcription")
+
+    @app.post("/v1/audio/translations")
+    async def translations(self, request: Request) -> Response:
+        return await self._speech(request, "translation")
+
+    async def _speech(self, request: Request, task: str) -> Response:
+        """A multipart speech-to-text upload: checked (:mod:`rbln_ray.serve.audio`), then
+        relayed to the model server's ``transcriptions`` / ``translations``."""
+        from rbln_ray.serve.audio import parse_upload
+
+        denied = self._unauthorized(request)
+        if denied:
+            return denied
+        models = list(self.servers)
+        upload = await parse_upload(request, task, self.limits, models, self.speech_models)
+        if isinstance(upload, tuple):
+            return error_response(*upload)
+        return await self._relay(upload, f"{task}s")
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:

@@ -125,6 +125,7 @@ class LLMServer:
 
         from rbln_ray.common.logging_setup import apply_process_defaults, setup_logging
         from rbln_ray.emulator import ensure_runtime
+        from rbln_ray.serve.audio import replica_env
         from rbln_ray.serve.replica_bind import bind_replica_grpc_to_loopback
         from rbln_ray.serve.warmup import warm_up
         from rbln_ray.vllm_plugin.platform import compiled_artifact
@@ -141,6 +142,7 @@ class LLMServer:
         # A media URL is fetched only from an allowed domain; a redirect could leave it.
         os.environ.setdefault("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "0")
         limits_cfg = RequestLimits.model_validate(limits or {})
+        os.environ.update(replica_env(limits_cfg))  # vLLM's audio decode cap: the app's
         args = engine_namespace(self.cfg, resolve_model_path(self.cfg.model), limits_cfg)
         engine_args = AsyncEngineArgs.from_cli_args(args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
@@ -258,6 +260,18 @@ class LLMServer:
     async def score(self, request: Any) -> AsyncIterator[Any]:
         """``/v1/score`` and ``/v1/rerank``: vLLM's ``ServingScores`` takes both."""
         async for item in self._route("serving_scores", None, request):
+            yield item
+
+    async def transcriptions(self, upload: Any) -> AsyncIterator[Any]:
+        """``/v1/audio/transcriptions`` (an ``rbln_ray.serve.audio.AudioUpload``)."""
+        from rbln_ray.serve.audio import serve_upload
+
+        async for item in serve_upload(self, upload):
+            yield item
+
+    async def translations(self, upload: Any) -> AsyncIterator[Any]:
+        """``/v1/audio/translations``."""
+        async for item in self.transcriptions(upload):  # the upload names its task
             yield item
 
     async def _route(self, handler: str, method: str | None, request: Any) -> AsyncIterator[Any]:

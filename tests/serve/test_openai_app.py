@@ -515,6 +515,32 @@ def test_no_content_part_makes_a_replica_fetch_a_url(demo_app: RunningApp, recor
     assert hits == []
 
 
+def test_audio_to_text_models_is_refused_at_the_ingress(demo_app: RunningApp) -> None:
+    """A transcription asked of a chat model, and audio in a chat message to a text model:
+    400s with OpenAI-style bodies naming the problem (no speech model in this app)."""
+    import base64
+
+    from rbln_ray.models.speech import tone_clip, wav_bytes
+
+    wav = wav_bytes(tone_clip(1.0, 440))
+    r = httpx.post(
+        f"{demo_app.url}/v1/audio/transcriptions",
+        data={"model": "demo"},
+        files={"file": ("a.wav", wav, "audio/wav")},
+        headers=AUTH,
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    assert "does not serve /v1/audio/transcriptions" in r.json()["error"]["message"]
+    audio = {"data": base64.b64encode(wav).decode(), "format": "wav"}
+    content = [{"type": "input_audio", "input_audio": audio}, {"type": "text", "text": "?"}]
+    body = {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    r = httpx.post(f"{demo_app.url}/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == 400 and "does not accept audio inputs" in error["message"]
+
+
 def test_health_reflects_a_dead_replica(demo_app: RunningApp) -> None:
     """Runs last in this module: it kills a replica, then waits for Serve to replace it."""
     import ray
