@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rbln_ray.common.ports import free_port  # noqa: F401  (benchmarks use common.free_port)
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PYTHON = sys.executable
@@ -212,14 +214,6 @@ def compiled_demo(batch: int, max_seq_len: int = 1024) -> tuple[Path, Path]:
 
 def vocab_of(model_dir: Path) -> int:
     return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def deploy_serve_app(compiled: Path, num_replicas: int, port: int, **model_extra: Any) -> str:

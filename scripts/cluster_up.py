@@ -43,7 +43,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from rbln_ray.common.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SERVE_CONFIG = ROOT / "cluster_configs" / "serve_config.yaml"
@@ -74,12 +75,6 @@ class Interrupted(Exception):
 
 def _on_signal(signum: int, _frame: Any) -> None:
     raise Interrupted(signal.Signals(signum).name)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- processes

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from rbln_ray.common.ports import free_port  # noqa: F401  (tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"  # the scripts tests run in fresh processes
@@ -33,13 +34,6 @@ EIGHT_PROMPTS = [
     [3000 + i for i in range(60)],
     [42, 4095, 1, 2],
 ]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def result_json(stdout: str, tag: str = "RESULT") -> dict[str, Any] | None:

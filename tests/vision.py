@@ -28,21 +28,42 @@ def image_spec(seed: int, width: int = 64, height: int = 48) -> dict[str, int]:
     return {"seed": seed, "width": width, "height": height}
 
 
+def make_video(seed: int, frames: int = 4, width: int = 64, height: int = 48):
+    """A deterministic ``[frames, height, width, 3]`` uint8 noise video (numpy frames, as
+    ``vllm.LLM``'s ``multi_modal_data={"video": ...}`` takes them)."""
+    import numpy as np
+
+    rng = np.random.default_rng(1000 + seed)
+    return rng.integers(0, 256, (frames, height, width, 3), dtype=np.uint8)
+
+
+def video_spec(seed: int, frames: int = 4, width: int = 64, height: int = 48) -> dict[str, int]:
+    """How a request names a video across a process boundary (``rbln_llm_run.py``)."""
+    return {"seed": seed, "frames": frames, "width": width, "height": height}
+
+
 def data_url(image, fmt: str = "PNG") -> str:
     buf = io.BytesIO()
     image.save(buf, format=fmt)
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+# Families compiled otherwise: Qwen3.5 compiles flash attention only, whose partitions on
+# ATOM are at least 1024 tokens, two per sequence (rbln_ray.families.qwen3_5).
+COMPILE: dict[str, dict] = {
+    "qwen3_5": {"attn_impl": "flash_attn", "kvcache_partition_len": 1024, "max_seq_len": 2048},
+}
+
+
 def compiled_vlm(family: str = "llava") -> Path:
-    """A tiny vision-language model compiled on the emulator (batch 4, 512 tokens; cached)."""
+    """A tiny vision-language model compiled on the emulator (batch 4, 512 tokens unless
+    ``COMPILE`` says otherwise; cached)."""
     os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
     from rbln_ray.compile import CompileSettings, resolve_compiled_dir
     from rbln_ray.models import build_tiny_vlm
 
-    settings = CompileSettings(
-        batch_size=VLM_BATCH, max_seq_len=VLM_MAX_LEN, decoder_batch_sizes=(4, 2, 1)
-    )
+    settings = {"max_seq_len": VLM_MAX_LEN, **COMPILE.get(family, {})}
+    settings = CompileSettings(batch_size=VLM_BATCH, decoder_batch_sizes=(4, 2, 1), **settings)
     return resolve_compiled_dir(build_tiny_vlm(family=family), settings)
 
 
@@ -75,24 +96,32 @@ CAUSAL_TOKEN_TYPE = {"paligemma": 1, "gemma3_vl": 0}
 
 
 def hf_vlm_greedy(
-    model_dir: Path, prompt: str, images: list, max_new_tokens: int, causal: bool = False
+    model_dir: Path,
+    prompt: str,
+    images: list,
+    max_new_tokens: int,
+    videos: list | None = None,
+    causal: bool = False,
 ) -> tuple[list[int], list[int]]:
     """transformers' (prompt token ids, greedy new token ids) for a text prompt with its
-    images, prepared by the model's own HF processor (``causal``: with a causal prefill, for
-    the families of :data:`CAUSAL_TOKEN_TYPE`)."""
+    images (and videos), prepared by the model's own HF processor (the Qwen families':
+    ``mm_token_type_ids`` included, without which ``generate`` falls back to 1-D positions;
+    ``causal``: with a causal prefill, for the families of :data:`CAUSAL_TOKEN_TYPE`)."""
     import torch
 
     from rbln_ray.families.registry import vision_for_dir
 
     model, processor = _reference(model_dir)
     family = vision_for_dir(model_dir).name
-    if not images and family == "paligemma":
+    if not images and not videos and family == "paligemma":
         # PaliGemma's processor refuses a prompt without an image; vLLM runs no multimodal
         # processor for one: its tokens as they are (PaliGemma's tokenizer adds no BOS). The
         # whole prompt is the prefix, attended bidirectionally: token_type_ids 0, as the
         # processor gives every prompt token.
         inputs = processor.tokenizer([prompt], add_special_tokens=False, return_tensors="pt")
         inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
+    elif videos:
+        inputs = processor(images=images or None, videos=videos, text=[prompt], return_tensors="pt")
     else:
         inputs = processor(images=images or None, text=[prompt], return_tensors="pt")
     if causal:

@@ -104,7 +104,7 @@ def cmd_build_model(args: argparse.Namespace) -> int:
         )
         print(path)
         return 0
-    language = TinyModelSpec(family=record.language_family, **decoder)
+    language = TinyModelSpec(family=record.tiny_language_family, **decoder)
     print(build_tiny_vlm(family=record.name, language=language, out_dir=args.out))
     return 0
 

@@ -69,6 +69,10 @@ class CompiledArtifact:
     # RBLNQwen3Model: its prefill returns every position's hidden state, it has no decode
     # graph): the family's name. "" for a causal LM.
     pooling: str = ""
+    # Some layers keep a per-sequence state in one row per compiled batch slot (Qwen3.5's
+    # linear attention, optimum's linear_attention_layers): a prefill names the row
+    # (batch_idx) and every decode step runs the full batch, device row i on state row i.
+    state_slots: bool = False
 
     def __post_init__(self) -> None:
         if not self.max_num_seqs:
@@ -149,6 +153,7 @@ class CompiledArtifact:
             vision_family=vision.name if vision is not None else "",
             dtype=raw.get("dtype") or "float32",
             pooling=_pooling(raw.get("cls_name", "")),
+            state_slots=bool(raw.get("linear_attention_layers")),
         )
 
 

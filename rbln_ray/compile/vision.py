@@ -3,8 +3,10 @@
 Why apart from the decoder compile: optimum-rbln compiles a vision-language model as several
 graphs (the vision tower, the projector, and a decoder-only language model that takes
 ``inputs_embeds``), saved as submodule directories of one artifact. The compile settings are
-the language model's; the family's module (:mod:`rbln_ray.families`) adds what its tower
-needs (``vision_rbln_config``) and what its artifact needs after saving (``after_compile``).
+the language model's; the family's module (:mod:`rbln_ray.families`) may adjust or refuse
+them (``compile_settings``: Qwen3.5 compiles flash attention and one full-batch decode graph
+only) and adds what its tower needs (``vision_rbln_config``) and what its artifact needs after
+saving (``after_compile``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def compile_vision_language(
 
     hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
     text_config = hf_config.get("text_config") or hf_config
+    code = family.code()
+    if hasattr(code, "compile_settings"):  # what the family compiles (or refuses) otherwise
+        settings = code.compile_settings(settings)
     language = settings.with_max_seq_len(text_config).rbln_config(use_inputs_embeds=True)
     code = family.code()
     if hasattr(code, "language_rbln_config"):

@@ -188,6 +188,11 @@ class RBLNCompiledModel:
         return {k: (list(s), d) for k, (s, d) in self._p["kv"].items()}
 
     @property
+    def input_order(self) -> list[str]:
+        """Every input of the graph, static buffers included, in its compiled order."""
+        return list(self._p["input_order"])
+
+    @property
     def graph_id(self) -> str:
         return self._p["graph_id"]
 

@@ -11,7 +11,9 @@
   :mod:`~rbln_ray.emulator.moe_kernels`.
 - ``torch.ops.rbln.*``: the sampling ops vllm-rbln's sampler graphs call positionally
   (``argmax``, ``top_k_top_p``, ``rejection_sample``; kernels and semantics in
-  :mod:`rbln_ray.emulator.sampling`). Their Meta kernels let ``torch.compile`` trace them.
+  :mod:`rbln_ray.emulator.sampling`), and ``tri_recur_update``, the row recurrence of
+  optimum-rbln's chunked gated-delta rule (Qwen3.5's linear attention,
+  :func:`tri_recur_update`). Their Meta kernels let ``torch.compile`` trace them.
 """
 
 from __future__ import annotations
@@ -124,6 +126,19 @@ def _rejection_meta(draft_token_ids, target_probs, cu_num_draft_tokens, top_k=No
     )
 
 
+def tri_recur_update(attn: torch.Tensor) -> torch.Tensor:
+    """The row recurrence of a chunked gated-delta rule over ``[..., C, C]``: for i = 1..C-1,
+    ``attn[..., i, :i] += (attn[..., i, :i, None] * attn[..., :i, :i]).sum(-2)``, each row from
+    the rows above it as already updated (transformers' ``torch_chunk_gated_delta_rule``, the
+    identity it adds afterwards left out, as optimum-rbln's ``rbln_chunk_gated_delta_rule``
+    adds it itself). Returns a new tensor."""
+    out = attn.clone()
+    for i in range(1, out.shape[-1]):
+        row = out[..., i, :i].clone()
+        out[..., i, :i] = row + (row.unsqueeze(-1) * out[..., :i, :i]).sum(-2)
+    return out
+
+
 def _register_sampling() -> None:
     global _SAMPLING_LIB
     if _SAMPLING_LIB is not None:
@@ -144,6 +159,9 @@ def _register_sampling() -> None:
     )
     lib.impl("rejection_sample", sampling.rejection_sample, "CPU")
     lib.impl("rejection_sample", _rejection_meta, "Meta")
+    lib.define("tri_recur_update(Tensor attn) -> Tensor")
+    lib.impl("tri_recur_update", tri_recur_update, "CPU")
+    lib.impl("tri_recur_update", lambda attn: torch.empty_like(attn), "Meta")
     _SAMPLING_LIB = lib
 
 

@@ -117,13 +117,67 @@ def _check_npu(cm: RBLNCompiledModel) -> None:
         )
 
 
+class _InOrder:
+    """A graph whose static buffers are not all after its other inputs (optimum-rbln's
+    Qwen3.5 decoder declares its state masks after its static states), called the runtime's
+    way, ``(*inputs, *static)``: each argument goes where the graph declared it."""
+
+    def __init__(self, module: Any, order: list[str], inputs: list[str], static: list[str]):
+        self.module = module
+        given = {name: i for i, name in enumerate([*inputs, *static])}
+        self._index = [given[name] for name in order]
+
+    def __call__(self, *args: Any) -> Any:
+        return self.module(*(args[i] for i in self._index))
+
+
+# graph id -> the non-static inputs its graph reads (a compiled graph takes only those)
+_USED_INPUTS: dict[str, list[str]] = {}
+_USED_LOCK = threading.Lock()
+
+
+def used_inputs(cm: RBLNCompiledModel) -> list[str]:
+    """The non-static inputs ``cm``'s graph reads, in ``input_info`` order.
+
+    rebel's compiler drops an input the graph never reads, and its runtime takes only the
+    others (``Runtime._index_to_input_name``): optimum-rbln's Qwen3.5 decode graphs declare
+    state masks they do not use. Found once per graph by tracing it (``make_fx``, real mode)
+    on zero tensors of its compiled shapes, static buffers included as zeros of their own
+    (never a load's live buffers, which the trace's cache writes would change)."""
+    with _USED_LOCK:
+        if cm.graph_id in _USED_INPUTS:
+            return _USED_INPUTS[cm.graph_id]
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    shapes = {name: (shape, dtype) for name, shape, dtype in cm.input_info}
+    shapes.update({name: tuple(spec) for name, spec in cm.kv_shapes.items()})
+    order = cm.input_order
+    args = [torch.zeros(shapes[n][0], dtype=torch_dtype(shapes[n][1])) for n in order]
+    with torch.no_grad():
+        graph = make_fx(lambda *a: cm.module(*a), tracing_mode="real")(*args)
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    read = {name for name, node in zip(order, placeholders, strict=True) if node.users}
+    used = [name for name, _, _ in cm.input_info if name in read]
+    with _USED_LOCK:
+        _USED_INPUTS[cm.graph_id] = used
+    return used
+
+
+def is_paged(name: str) -> bool:
+    """A static buffer of paged KV blocks (``past_key_values_*``), not another static state
+    (Qwen3.5's ``conv_state_*`` / ``recurrent_state_*``, one row per batch slot)."""
+    return "past_key_values" in name
+
+
 class Runtime(KVHostTransfer):
     """Executes one compiled graph; call as ``rt(*inputs, out=[...])``.
 
-    Callers pass the non-KV inputs in ``input_info`` order; the runtime appends its KV
-    buffers (shared with the other graphs of the same load). KV block methods:
-    ``_copy_kv_cache`` (on-device copy), and ``_fetch_kv_cache`` / ``_update_kv_cache`` /
-    ``_get_kv_cache_size`` (host transfers, :mod:`rbln_ray.emulator.kv_host`).
+    Callers pass the non-KV inputs in ``input_info`` order (or only those the graph reads,
+    as rebel's runtime takes them: :attr:`_index_to_input_name`); the runtime adds its static
+    buffers (shared with the other graphs of the same load) where the graph declared them. KV
+    block methods (on the paged KV buffers): ``_copy_kv_cache`` (on-device copy), and
+    ``_fetch_kv_cache`` / ``_update_kv_cache`` / ``_get_kv_cache_size`` (host transfers,
+    :mod:`rbln_ray.emulator.kv_host`).
     """
 
     def __init__(
@@ -158,7 +212,11 @@ class Runtime(KVHostTransfer):
         except Exception:
             load.claimed.discard(compiled_model.graph_id)
             raise
+        names = [n for n, _, _ in compiled_model.input_info]
+        static = list(compiled_model.kv_shapes)
         self._module = compiled_model.module
+        if compiled_model.input_order != [*names, *static]:
+            self._module = _InOrder(self._module, compiled_model.input_order, names, static)
         self._num_inputs = len(compiled_model.input_info)
         # the input shapes of each compiled variant (rebel runs the graph a call's shapes match)
         self._variants = [
@@ -187,13 +245,31 @@ class Runtime(KVHostTransfer):
             raise ValueError(f"missing inputs {missing}; the compiled inputs are {names}")
         return (*inputs, *(named[n] for n in names[len(inputs) :] if n in named))
 
+    @property
+    def _index_to_input_name(self) -> dict[int, str]:
+        """rebel's map from a call's argument index to its input: the graph's non-static
+        inputs it reads, in order (:func:`used_inputs`)."""
+        return dict(enumerate(used_inputs(self._cm)))
+
+    def _with_unread(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """A call with only the inputs the graph reads, completed with zeros for the others
+        (which the graph never reads); any other count is an error."""
+        names = [n for n, _, _ in self._cm.input_info]
+        used = used_inputs(self._cm) if len(inputs) < self._num_inputs else []
+        if len(inputs) != len(used) or len(used) == self._num_inputs:
+            raise ValueError(f"expected {self._num_inputs} inputs {names}, got {len(inputs)}")
+        given = dict(zip(used, inputs, strict=True))
+        return tuple(
+            given[n] if n in given else torch.zeros(shape, dtype=torch_dtype(dtype))
+            for n, shape, dtype in self._cm.input_info
+        )
+
     def run(self, *inputs: torch.Tensor, out: Any = None, **named: torch.Tensor) -> Any:
         entered = time.perf_counter()
         if named:
             inputs = self._bind(inputs, named)
         if len(inputs) != self._num_inputs:
-            names = [n for n, _, _ in self._cm.input_info]
-            raise ValueError(f"expected {self._num_inputs} inputs {names}, got {len(inputs)}")
+            inputs = self._with_unread(inputs)
         self._check_shapes(inputs)
         targets = None if out is None else out if isinstance(out, (list, tuple)) else [out]
         start = time.perf_counter()
@@ -259,10 +335,11 @@ class Runtime(KVHostTransfer):
         out of range or a length past the block is an error, never a silent partial copy.
         """
         src, dst, length = int(src_block), int(dst_block), int(length)
-        if not self._kv:
+        buffers = self.kv_buffers
+        if not buffers:
             raise RuntimeError(f"{self!r} has no KV cache to copy")
         op = f"_copy_kv_cache({src}, {dst}, {length})"
-        for name, buf in zip(self._cm.kv_shapes, self._kv, strict=True):
+        for name, buf in buffers.items():
             check_blocks(op, name, buf, (src, dst))
             check_slots(op, name, buf, 0, length)
         start = time.perf_counter()
@@ -270,14 +347,19 @@ class Runtime(KVHostTransfer):
             self._timing.sleep_copy(length, start)
             return
         if src != dst and length > 0:
-            for buf in self._kv:
+            for buf in buffers.values():
                 buf[dst, ..., :length, :] = buf[src, ..., :length, :]
         call_log.record_copy(start)
 
     @property
     def kv_buffers(self) -> dict[str, torch.Tensor]:
-        """The static KV tensors this runtime appends (shared within one load)."""
-        return dict(zip(self._cm.kv_shapes, self._kv, strict=True))
+        """The paged KV tensors this runtime adds (shared within one load); other static
+        states (:func:`is_paged`) are no KV blocks to copy or transfer."""
+        return {
+            name: buf
+            for name, buf in zip(self._cm.kv_shapes, self._kv, strict=True)
+            if is_paged(name)
+        }
 
     def __repr__(self) -> str:
         mode = "timing" if self._timing is not None else "emulated"

@@ -171,7 +171,10 @@ class VisionFamily(Family):
 
     kind: ClassVar[str] = "vision"
     vision_tower: str = ""  # the optimum-rbln class that encodes an image
-    language_family: str = ""  # the decoder family of its language model
+    # The decoder family of its language model; or, when rbln-ray serves no text-only family
+    # of it (optimum-rbln 0.12 compiles EXAONE-4 only inside EXAONE-4.5), its transformers
+    # model_type (the family's module builds that config; see tiny_language_family).
+    language_family: str = ""
     # The submodule (and nested rbln_config key) holding the decoder; "" when the artifact's
     # top level is the decoder (Qwen2-VL).
     language_submodule: str = "language_model"
@@ -185,6 +188,13 @@ class VisionFamily(Family):
     # The class of the family's module vLLM's registry gets for the architecture when vLLM's
     # own module cannot be imported here ("": vLLM's own serves the front end).
     declaration: str = ""
+
+    @property
+    def tiny_language_family(self) -> str:
+        """The decoder family whose tiny shape (``TinyModelSpec``: sizes, layers, heads) the
+        tiny model's language model takes: its language family when that is a decoder
+        family, else llama's (the family's module builds the config from the sizes)."""
+        return self.language_family if self.language_family in DECODERS else "llama"
 
 
 def _zoo(name: str, arch: str, optimum: str, model_type: str, **kw: Any) -> DecoderFamily:
@@ -559,6 +569,7 @@ _FAMILIES: tuple[Family, ...] = (
         {"": VISION_TEST},
         module="qwen2_vl",
         declaration="RBLNQwen2VLDeclaration",
+        inputs=("image", "video"),
         vision_tower="RBLNQwen2VisionTransformerPretrainedModel",
         language_family="qwen2",
         language_submodule="",
@@ -640,6 +651,90 @@ _FAMILIES: tuple[Family, ...] = (
         "graph), so no chunked prefill; no prefix caching (that, and sliding-window layers); "
         "eager attention only",
     ),
+    # Qwen/Qwen2.5-VL-*: Qwen2-VL with a SwiGLU tower whose layers but a few attend within
+    # windows; the tower is compiled for a list of lengths (a skinny image pads its windows).
+    VisionFamily(
+        "qwen2_5_vl",
+        "Qwen2_5_VLForConditionalGeneration",
+        "RBLNQwen2_5_VLForConditionalGeneration",
+        {"": VISION_TEST},
+        module="qwen2_5_vl",
+        declaration="RBLNQwen2_5_VLDeclaration",
+        inputs=("image", "video"),
+        vision_tower="RBLNQwen2_5_VisionTransformerPretrainedModel",
+        language_family="qwen2",
+        language_submodule="",
+        vision_submodule="visual",
+    ),
+    # Qwen/Qwen3-VL-*: a ViT over 16-pixel patches whose inner layers' features ("deepstack")
+    # are added to the first decoder layers' hidden states at the image's positions; a Qwen3
+    # LM with interleaved M-RoPE.
+    VisionFamily(
+        "qwen3_vl",
+        "Qwen3VLForConditionalGeneration",
+        "RBLNQwen3VLForConditionalGeneration",
+        {"": VISION_TEST},
+        module="qwen3_vl",
+        declaration="RBLNQwen3VLDeclaration",
+        inputs=("image", "video"),
+        vision_tower="RBLNQwen3VLVisionModel",
+        language_family="qwen3",
+        language_submodule="",
+        vision_submodule="visual",
+    ),
+    # Qwen/Qwen3-VL-*-A*B: Qwen3-VL with a mixture-of-experts LM (custom_moe_glu)
+    VisionFamily(
+        "qwen3_vl_moe",
+        "Qwen3VLMoeForConditionalGeneration",
+        "RBLNQwen3VLMoeForConditionalGeneration",
+        {"": VISION_TEST},
+        module="qwen3_vl_moe",
+        declaration="RBLNQwen3VLMoeDeclaration",
+        inputs=("image", "video"),
+        vision_tower="RBLNQwen3VLMoeVisionModel",
+        language_family="qwen3_moe",
+        language_submodule="",
+        vision_submodule="visual",
+    ),
+    # Qwen/Qwen3.5-*: Qwen3-VL's tower (no deepstack) before a hybrid LM of gated-delta-net
+    # linear-attention layers (per-sequence state rows, not KV blocks) and a few full ones.
+    VisionFamily(
+        "qwen3_5",
+        "Qwen3_5ForConditionalGeneration",
+        "RBLNQwen3_5ForConditionalGeneration",
+        {"": VISION_TEST},
+        module="qwen3_5",
+        declaration="RBLNQwen3_5Declaration",
+        inputs=("image", "video"),
+        vision_tower="RBLNQwen3_5VisionModel",
+        language_family="qwen3_5_text",
+        language_submodule="",
+        vision_submodule="visual",
+        prefix_caching=False,
+        chunked_prefill=False,
+        notes="linear-attention layers keep one state row per sequence, built from the "
+        "prompt's first token (optimum-rbln's prefill cannot start past 0): prompts are "
+        "prefilled whole, without prefix caching; flash attention only",
+    ),
+    # LGAI-EXAONE/EXAONE-4.5-*: Qwen2.5-VL's windowed tower before an EXAONE-4 LM whose
+    # layers alternate sliding-window and full attention (compiled cache_impl "hybrid"), with
+    # plain 1-D positions. rbln-ray serves no text-only EXAONE-4 (optimum-rbln 0.12 has none).
+    VisionFamily(
+        "exaone4_5",
+        "Exaone4_5_ForConditionalGeneration",
+        "RBLNExaone4_5_ForConditionalGeneration",
+        {"": VISION_TEST},
+        module="exaone4_5",
+        declaration="RBLNExaone4_5Declaration",
+        inputs=("image", "video"),
+        vision_tower="RBLNExaone4_5_VisionModel",
+        language_family="exaone4",
+        language_submodule="",
+        vision_submodule="visual",
+        prefix_caching=False,
+        notes="sliding-window layers: a request's cache slot holds only its last window, so "
+        "no cached prefix can be adopted",
+    ),
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILIES}
@@ -664,8 +759,17 @@ UNSUPPORTED: dict[str, str] = {
     "code only (no 'midm' in transformers 5.15.1), so no tiny model can be built here",
     "Gemma4ForCausalLM": "RBLNGemma4ForCausalLM (per-layer inputs, heterogeneous KV caches) is "
     "outside this zoo's scope",
-    "Qwen3_5ForCausalLM": "RBLNQwen3_5ForCausalLM needs hybrid linear attention "
-    "(rbln.tri_recur_update), which the emulator does not provide",
+    "Qwen3_5ForCausalLM": "RBLNQwen3_5ForCausalLM (text-only Qwen3.5) is not verified here; "
+    "rbln-ray serves Qwen3.5 as its vision-language model, Qwen3_5ForConditionalGeneration",
+    # vision-language
+    "Qwen3_5MoeForConditionalGeneration": "optimum-rbln 0.12 has no RBLNQwen3_5Moe class",
+    "Qwen3_5MoeForCausalLM": "optimum-rbln 0.12 has no RBLNQwen3_5Moe class",
+    "Gemma4ForConditionalGeneration": "transformers 5.15.1's Gemma4Processor cannot be imported "
+    "without torchvision (processing_gemma4 imports image_processing_gemma4, which imports "
+    "torchvision.transforms.v2), nor can vLLM 0.30's gemma4_mm; optimum-rbln's Gemma4 prefill "
+    "pads the KV cache around image runs (image_prefill graphs, padded_cache_lengths), which "
+    "rbln-ray's scheduler and runner do not model; and its decode after an image prompt is "
+    "not token-exact on the emulator (verified with a tiny model)",
     "Qwen3ASRForConditionalGeneration": "vLLM 0.30's Qwen3-ASR front end imports torchvision "
     "(through Qwen2.5-Omni and Qwen2-VL), which rbln-ray does not install; optimum-rbln 0.12 "
     "compiles RBLNQwen3ASRForConditionalGeneration, but serving it needs rbln-ray's own "

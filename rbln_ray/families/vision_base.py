@@ -36,13 +36,22 @@ PREPROCESSOR_CONFIG, PROCESSOR_CONFIG = "preprocessor_config.json", "processor_c
 
 class PromptEmbedder:
     """Builds and holds the input embeddings of the prompts in prefill; a family's module
-    subclasses it with how an image becomes features and what else its decoder takes.
-    The decoder is the ``language_model`` submodule unless the family says otherwise."""
+    subclasses it with how an image (or a video) becomes features and what else its decoder
+    takes. The decoder is the ``language_model`` submodule unless the family says otherwise.
+
+    Some towers give more than one vector per placeholder token: Qwen3-VL's also gives the
+    features of some inner layers ("deepstack"), which the decoder adds to its hidden states
+    after its first layers at the same positions. A family's ``_image_features`` then returns
+    ``(features, side)`` with ``side`` ``[k, tokens, width]``; they are kept with the prompt's
+    embeddings, at the same positions, in a ``[k, prompt_len, width]`` tensor and a
+    ``[prompt_len]`` mask of the positions they fill (:meth:`side_features`).
+    """
 
     def __init__(self, model: Any) -> None:
         # an optimum-rbln vision-language model (e.g. RBLNLlavaForConditionalGeneration)
         self.model = model
         self._embeds: dict[str, torch.Tensor] = {}
+        self._side: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def language_model(self) -> Any:
@@ -54,13 +63,15 @@ class PromptEmbedder:
         ``state`` (vLLM's ``CachedRequestState``), images or not."""
         return {}
 
-    def decode_inputs(self, states: Sequence[Any], cache_position: torch.Tensor) -> dict:
-        """Extra inputs of a decode call whose rows are ``states`` then padding rows
-        (``cache_position``: ``[batch, 1]``, every row's)."""
+    def decode_inputs(self, states: Sequence[Any | None], cache_position: torch.Tensor) -> dict:
+        """Extra inputs of a decode call: ``states`` has one entry per device row, the row's
+        request state or None for a padding row (``cache_position``: ``[batch, 1]``, every
+        row's)."""
         return {}
 
     def has_images(self, features: Sequence[Any]) -> bool:
-        return any(f.modality == "image" for f in features)
+        """Whether a prompt carries media (images or videos): its prefill takes embeddings."""
+        return bool(features)
 
     def embeds(
         self, req_id: str, token_ids: Sequence[int], features: Sequence[Any], start: int
@@ -72,6 +83,7 @@ class PromptEmbedder:
         if cached is not None and cached.shape[0] >= len(token_ids):
             return cached
         ids = torch.tensor(list(token_ids), dtype=torch.long)
+        self._side.pop(req_id, None)
         with torch.no_grad():
             embeds = self.model.get_input_embeddings()(ids).clone()
             for feature in features:
@@ -79,9 +91,12 @@ class PromptEmbedder:
         self._embeds[req_id] = embeds
         return embeds
 
+    def side_features(self, req_id: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(mask [prompt_len] bool, side [k, prompt_len, width])`` of a prompt whose tower
+        gave side features (see the class), else None."""
+        return self._side.get(req_id)
+
     def _place(self, embeds: torch.Tensor, feature: Any, req_id: str, start: int) -> None:
-        if feature.modality != "image":
-            raise ValueError(f"request {req_id}: {feature.modality} inputs are not supported")
         where = feature.mm_position
         if where.offset + where.length <= start:
             # Inside the prefix-cached part of the prompt: its KV is on the device and no
@@ -89,30 +104,54 @@ class PromptEmbedder:
             return
         if feature.data is None:
             raise RuntimeError(
-                f"request {req_id}: image {feature.identifier} at positions {where.offset}+"
-                f"{where.length} must be prefilled from {start}, but vLLM sent no pixels "
-                "(its prefix cache covered it; the device no longer holds that prefix)"
+                f"request {req_id}: {feature.modality} {feature.identifier} at positions "
+                f"{where.offset}+{where.length} must be prefilled from {start}, but vLLM sent "
+                "no pixels (its prefix cache covered it; the device no longer holds that prefix)"
             )
-        image = self._image_features(feature.data.get_data())
+        image = self._media_features(req_id, feature.modality, feature.data.get_data())
+        side = None
+        if isinstance(image, tuple):
+            image, side = image
         image = image.reshape(-1, embeds.shape[-1]).to(embeds.dtype)
         span = torch.arange(where.offset, where.offset + where.length)
         if where.is_embed is not None:
             span = span[where.is_embed]
         if span.numel() != image.shape[0]:
             raise RuntimeError(
-                f"request {req_id}: image {feature.identifier} has {image.shape[0]} feature "
-                f"vectors for {span.numel()} placeholder tokens"
+                f"request {req_id}: {feature.modality} {feature.identifier} has "
+                f"{image.shape[0]} feature vectors for {span.numel()} placeholder tokens"
             )
         embeds[span] = image
+        if side is not None:
+            if req_id not in self._side:
+                mask = torch.zeros(embeds.shape[0], dtype=torch.bool)
+                shape = (side.shape[0], embeds.shape[0], side.shape[-1])
+                self._side[req_id] = (mask, torch.zeros(shape, dtype=embeds.dtype))
+            mask, buffer = self._side[req_id]
+            mask[span] = True
+            buffer[:, span] = side.to(buffer.dtype)
 
-    def _image_features(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _media_features(self, req_id: str, modality: str, data: dict[str, torch.Tensor]) -> Any:
+        if modality == "image":
+            return self._image_features(data)
+        if modality == "video":
+            return self._video_features(data)
+        raise ValueError(f"request {req_id}: {modality} inputs are not supported")
+
+    def _image_features(self, data: dict[str, torch.Tensor]) -> Any:
         """One image's feature vectors (one per placeholder token) from its processed
-        tensors: the family's compiled vision tower (and projector)."""
+        tensors: the family's compiled vision tower (and projector); or ``(features,
+        side)`` (see the class)."""
         raise NotImplementedError
+
+    def _video_features(self, data: dict[str, torch.Tensor]) -> Any:
+        """One video's feature vectors, as :meth:`_image_features` (families with videos)."""
+        raise ValueError("video inputs are not supported by this model")
 
     def forget(self, req_id: str) -> None:
         """Drop a prompt's embeddings (its prefill is done, or it finished)."""
         self._embeds.pop(req_id, None)
+        self._side.pop(req_id, None)
 
 
 def not_on_rbln(*_: Any, **__: Any) -> Any:

@@ -75,7 +75,7 @@ class TinyVisionLanguageSpec:
             raise ValueError(
                 f"unknown vision-language family {self.family!r}; known: {list(VISION)}"
             )
-        wanted = VISION[self.family].language_family
+        wanted = VISION[self.family].tiny_language_family
         if self.language is None:
             object.__setattr__(self, "language", TinyModelSpec(family=wanted))
         for name, value in getattr(VISION[self.family].code(), "SPEC_DEFAULTS", {}).items():

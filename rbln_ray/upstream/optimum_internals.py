@@ -89,11 +89,19 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         RUNNER_PY,
         "instance attribute",
     ),
-    Requirement(
-        "optimum.rbln.transformers.models.qwen2_vl.modeling_qwen2_vl:"
-        "RBLNQwen2VLForConditionalGeneration._get_position_embeddings",
-        QWEN2_VL_PY,
-        params=("hidden_states", "position_ids"),
+    *(
+        Requirement(
+            f"optimum.rbln.transformers.models.{module}:{cls}._get_position_embeddings",
+            QWEN2_VL_PY,
+            params=("hidden_states", "position_ids"),
+        )
+        for module, cls in (
+            ("qwen2_vl.modeling_qwen2_vl", "RBLNQwen2VLForConditionalGeneration"),
+            ("qwen2_5_vl.modeling_qwen2_5_vl", "RBLNQwen2_5_VLForConditionalGeneration"),
+            ("qwen3_vl.modeling_qwen3_vl", "RBLNQwen3VLForConditionalGeneration"),
+            ("qwen3_vl_moe.modeling_qwen3_vl_moe", "RBLNQwen3VLMoeForConditionalGeneration"),
+            ("qwen3_5.modeling_qwen3_5", "RBLNQwen3_5ForConditionalGeneration"),
+        )
     ),
     # rbln-ray's encoder classes (optimum_models): optimum's generic encoders, subclassed,
     # registered through its auto classes, ModernBERT compiled with its masked LM's wrapper.
@@ -125,7 +133,8 @@ def compile_wrapper(cls: Any, model: Any, rbln_config: Any) -> Any:
 
 def qwen2_vl_position_embeddings(model: Any, dtype: Any, position_ids: Any) -> Any:
     """``[2, batch, 1, length, head_dim]`` cos/sin of ``[3, batch, length]`` M-RoPE positions,
-    as an ``RBLNQwen2VLForConditionalGeneration`` computes them for its graphs."""
+    as an ``RBLNQwen2VLForConditionalGeneration`` (or a later Qwen family's model: each
+    encodes its own M-RoPE variant, sections or interleaved) computes them for its graphs."""
     import torch
 
     return model._get_position_embeddings(torch.zeros(1, dtype=dtype), position_ids)

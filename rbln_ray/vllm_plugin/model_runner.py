@@ -15,7 +15,9 @@ hit needs, and a scratch block for padding rows.
 - decode: ``model.decoders[bs](input_ids [bs,1], cache_position [bs,1], block_tables [bs,nblk])``
   where ``bs`` is the smallest compiled decoder batch size that fits the live rows. Padding
   rows (token 0) write to the plan's scratch block at a position that holds no cached KV,
-  and only live rows' logits are kept.
+  and only live rows' logits are kept. An artifact with per-sequence state rows
+  (``state_slots``: Qwen3.5's linear attention) runs the full batch with each request at its
+  pinned slot's row, and its prefill names the slot (``batch_idx``).
 
 KV copies go through the runtime (``rebel.Runtime._copy_kv_cache``), never through host
 tensors, so the same code runs on an ATOM. Sampling runs on the host with vLLM's own
@@ -104,8 +106,10 @@ class _DecodeStep:
     so: SchedulerOutput
     req_ids: list[str]  # live rows: the input batch's order, or the scheduler's (pipeline)
     bs: int  # the compiled decode batch that runs it
-    order: list[int]  # device row -> index into req_ids (length-sorted NPU kernels)
-    positions: list[int]  # each live device row's position (where its new token goes)
+    # device row -> index into req_ids, None for a padding row: live rows first (sorted by
+    # length for NPU kernels that need it), or each at its state slot (state_slots artifacts)
+    layout: list[int | None]
+    positions: list[int]  # each live row's position (where its new token goes), req_ids order
     cache_pos: torch.Tensor
     inputs: dict[str, torch.Tensor | None]
     x: torch.Tensor | None = None  # token ids (first pipeline rank); else the previous
@@ -384,20 +388,31 @@ class RBLNModelRunner:
         if idx == len(sizes):
             raise RuntimeError(f"{len(req_ids)} decode rows exceed the compiled batch {sizes[-1]}")
         bs = sizes[idx]
-        order = list(range(len(req_ids)))
-        if self.artifact.requires_batch_sort:  # NPU kernels that need length-sorted rows
-            order.sort(key=lambda i: -positions[i])
+        if self.artifact.state_slots:
+            # Per-sequence state rows: the full compiled batch, each request at its slot's row
+            # (padding rows at free slots, whose state no request holds).
+            bs = self.artifact.batch_size
+            rows = [plan.slots[r] for r in req_ids]
+        else:
+            order = list(range(len(req_ids)))
+            if self.artifact.requires_batch_sort:  # NPU kernels that need length-sorted rows
+                order.sort(key=lambda i: -positions[i])
+            rows = [0] * len(req_ids)
+            for row, i in enumerate(order):
+                rows[i] = row
+        layout: list[int | None] = [None] * bs
+        for i, row in enumerate(rows):
+            layout[row] = i
         # Inputs are built as lists and converted once: per-row tensor writes cost ~10 us
         # each, a measurable share of the host time per step at batch 8.
-        pos = [positions[i] for i in order]
-        ids_in_order = [req_ids[i] for i in order]
-        padding = bs - len(req_ids)
-        cache_pos = torch.tensor(pos + [plan.scratch_position] * padding, dtype=torch.int32)
-        cache_pos = cache_pos.view(bs, 1)
-        rows = [self._table_row(plan.tables[r]) for r in ids_in_order]
-        rows += [self._table_row([plan.scratch_block])] * padding
-        table = torch.tensor(rows, dtype=torch.int16)
-        slots = [plan.slots.get(r) for r in ids_in_order] + [plan.scratch_slot] * padding
+        live = [(i, req_ids[i]) if i is not None else None for i in layout]
+        pos = [positions[x[0]] if x else plan.scratch_position for x in live]
+        cache_pos = torch.tensor(pos, dtype=torch.int32).view(bs, 1)
+        scratch = self._table_row([plan.scratch_block])
+        table = torch.tensor(
+            [self._table_row(plan.tables[x[1]]) if x else scratch for x in live], dtype=torch.int16
+        )
+        slots = [plan.slots.get(x[1]) if x else plan.scratch_slot for x in live]
         inputs = self._block_inputs(table, slots, prefill=False)
         if self.artifact.use_attention_mask:
             # optimum's own decoder mask buffer is sized for the full batch; pass ours per call.
@@ -410,18 +425,18 @@ class RBLNModelRunner:
         if self.artifact.use_position_ids:
             inputs["position_ids"] = cache_pos
         if self.embedder is not None:  # e.g. Qwen2-VL's M-RoPE position embeddings
-            states = [self.requests[r] for r in ids_in_order]
+            states = [self.requests[x[1]] if x else None for x in live]
             inputs.update(self.embedder.decode_inputs(states, cache_pos))
-        return _DecodeStep(so, req_ids, bs, order, pos, cache_pos, inputs)
+        return _DecodeStep(so, req_ids, bs, layout, list(positions), cache_pos, inputs)
 
     def _token_ids(self, step: _DecodeStep) -> torch.Tensor:
         """The step's input token ids, ``[bs, 1]``: each row's token at its position (the
         last sampled one), 0 in padding rows."""
-        rows = [step.req_ids[i] for i in step.order]
         tokens = [
-            self.requests[r].get_token_id(p) for r, p in zip(rows, step.positions, strict=True)
+            0 if i is None else self.requests[step.req_ids[i]].get_token_id(step.positions[i])
+            for i in step.layout
         ]
-        return torch.tensor(tokens + [0] * (step.bs - len(rows)), dtype=torch.long).view(-1, 1)
+        return torch.tensor(tokens, dtype=torch.long).view(-1, 1)
 
     # ----------------------------------------------------------------- device calls
     def launch(
@@ -472,15 +487,19 @@ class RBLNModelRunner:
         if self.embedder is not None and self.embedder.has_images(state.mm_features):
             embeds = self.embedder.embeds(req_id, tokens, state.mm_features, start)
             inputs["inputs_embeds"] = embeds[start:end].unsqueeze(0)
-            if end == len(tokens):  # the last chunk: later steps decode token ids
-                self.embedder.forget(req_id)
         elif receive is None:
             inputs["input_ids"] = torch.tensor([tokens[start:end]], dtype=torch.long)
         positions = torch.arange(start, end, dtype=torch.int32).unsqueeze(0)
         table = torch.tensor(self._table_row(plan.tables[req_id]), dtype=torch.int16)
         inputs.update(self._block_inputs(table, [plan.slots.get(req_id)], prefill=True))
-        if self.embedder is not None:  # e.g. Qwen2-VL's M-RoPE position embeddings
+        if self.artifact.state_slots:  # the state row this prompt's prefill writes
+            inputs["batch_idx"] = plan.slots[req_id]
+        if self.embedder is not None:
+            # e.g. Qwen2-VL's M-RoPE position embeddings, Qwen3-VL's deepstack features (kept
+            # with the prompt's embeddings until its last chunk: later steps decode token ids)
             inputs.update(self.embedder.prefill_inputs(state, start, end))
+            if end == len(tokens):
+                self.embedder.forget(req_id)
         if self.before_device is not None:
             self.before_device()
         if receive is not None:  # the previous stage's hidden states, the last input to come
@@ -517,14 +536,13 @@ class RBLNModelRunner:
         self.stats.record("decode", step.req_ids)
         if not self.last_stage:
             return out.logits  # hidden states of every row, padding included
-        logits = out.logits[:rows, -1, :]
-        order = step.order
-        if order == sorted(order):
-            return logits
-        inverse = [0] * len(order)
-        for row, i in enumerate(order):
-            inverse[i] = row
-        return logits[torch.tensor(inverse)]
+        if step.layout[:rows] == list(range(rows)):  # live rows first, in req_ids order
+            return out.logits[:rows, -1, :]
+        device_row = [0] * rows
+        for row, i in enumerate(step.layout):
+            if i is not None:
+                device_row[i] = row
+        return out.logits[torch.tensor(device_row), -1, :]
 
     # ----------------------------------------------------------------- vLLM entry points
     def execute_model(

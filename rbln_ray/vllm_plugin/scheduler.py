@@ -78,8 +78,10 @@ class _RBLNScheduling:
         self.step_tokens = sched.long_prefill_token_threshold or sched.max_num_batched_tokens
         self.options = engine_options(self.vllm_config)
         self.outer_blocks = OuterBlockManager(self.layout, self._evict_hashes)
-        # Sliding-window layers: one pinned cache slot per running request (kv_slots).
-        self.slots = SlotManager(artifact.batch_size) if artifact.uses_local_cache else None
+        # Sliding-window layers, per-sequence state rows: one pinned cache slot per running
+        # request (kv_slots).
+        pinned = artifact.uses_local_cache or artifact.state_slots
+        self.slots = SlotManager(artifact.batch_size) if pinned else None
         self._decodes_since_prefill = self.options.decode_steps_between_chunks
         # The last prefill attempt scheduled nothing while requests were decoding: run the
         # decodes next instead of retrying the prefill in a loop.

@@ -52,8 +52,6 @@ EXCLUDED_PATHS: dict[str, str] = {
 # emulated and so checked here).
 # Name pattern -> reason.
 EXCLUDED_NAMES: dict[str, str] = {
-    r"^rebel\.Runtime\._index_to_input_name$": "Qwen3.5 runtime (hybrid linear attention)",
-    r"^torch\.ops\.rbln\.tri_recur_update$": "Qwen3.5 linear attention",
     # The scanner expands decoderonly_architecture.py's computed op names over every
     # prefix, but optimum never builds these: its SlidingWindowAttentionOp sets quantization
     # None and asserts "Sliding window attention does not support quantization".

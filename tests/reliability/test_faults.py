@@ -200,8 +200,10 @@ def test_frozen_worker_ends_its_requests_within_the_step_deadline(tiny_app: Runn
                 os.kill(pid, signal.SIGCONT)
     failed = [o for o in outcomes if o["error"]]
     assert all(o["status"] == 200 and o["chunks"] > 0 and o["done"] for o in failed), failed
-    # the last one ended within the deadline plus the engine's teardown
-    assert all(o["ended"] - fault_at < STEP_DEADLINE_S + 30 for o in outcomes), outcomes
+    # The requests the freeze ended, ended within the deadline plus the engine's teardown.
+    # (Those retried on the other replica run their 300 tokens to the end there: how long
+    # that takes depends on the machine's load, and the overall 170 s wait bounds it.)
+    assert all(o["ended"] - fault_at < STEP_DEADLINE_S + 30 for o in failed), failed
     wait_until(lambda: process_gone(frozen[0]), 60, 1, "the executor killed the frozen actor")
     check_terminal_and_recovery(tiny_app, outcomes, fault_at, "frozen worker")
 

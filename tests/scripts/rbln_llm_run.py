@@ -3,8 +3,9 @@
 Tests run vLLM in a subprocess: vLLM resolves its platform once per process, and engines are
 heavy. Input (argv[1], JSON): ``{"model": dir, "llm_kwargs": {...}, "requests": [{"prompt":
 str | "prompt_token_ids": [...], "params": {SamplingParams fields; structured_outputs as a
-dict}, "images": [tests.vision.image_spec, ...]}], "passes": N (default 1: run the requests N
-times, one ``generate`` call each), "rpc": [method, ...]}``.
+dict}, "images": [tests.vision.image_spec, ...], "videos": [tests.vision.video_spec, ...]}],
+"passes": N (default 1: run the requests N times, one ``generate`` call each), "rpc":
+[method, ...]}``.
 Output: one line ``RESULT {...}`` with per-request outputs (of the last pass; every pass in
 ``passes``), the prompts' token ids as vLLM processed them, and the collective_rpc results.
 
@@ -47,11 +48,16 @@ def run(llm, spec: dict) -> dict:
             prompt = {"prompt": req["prompt"]}
         else:
             prompt = {"prompt_token_ids": req["prompt_token_ids"]}
-        if req.get("images"):  # tests/vision.py's deterministic images
+        if req.get("images") or req.get("videos"):  # tests/vision.py's deterministic media
             sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-            from tests.vision import make_image
+            from tests.vision import make_image, make_video
 
-            prompt["multi_modal_data"] = {"image": [make_image(**i) for i in req["images"]]}
+            media = {}
+            if req.get("images"):
+                media["image"] = [make_image(**i) for i in req["images"]]
+            if req.get("videos"):  # numpy frames [T, H, W, 3]
+                media["video"] = [make_video(**v) for v in req["videos"]]
+            prompt["multi_modal_data"] = media
         prompts.append(prompt)
         kw = dict(req.get("params", {}))
         if "structured_outputs" in kw:

@@ -89,7 +89,15 @@ def test_get_rbln_model_info_and_lookup_errors(tmp_path: Path) -> None:
     assert all(f.architecture in message for f in VISION.values())
 
 
-@pytest.mark.parametrize("arch", ["Phi3ForCausalLM", "MidmLMHeadModel", None])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "Phi3ForCausalLM",
+        "MidmLMHeadModel",
+        "Gemma4ForConditionalGeneration",
+        None,
+    ],
+)
 def test_compile_of_unsupported_architecture_is_a_clear_error(
     tmp_path: Path, capsys: pytest.CaptureFixture, arch: str | None
 ) -> None:
@@ -100,8 +108,27 @@ def test_compile_of_unsupported_architecture_is_a_clear_error(
     err = capsys.readouterr().err
     assert f"architecture [{arch!r}]" in err if arch else "architecture unknown" in err
     assert "supported: LlamaForCausalLM" in err and "GptOssForCausalLM" in err
+    if arch in UNSUPPORTED:  # refused by name, with the reason
+        assert UNSUPPORTED[arch] in err
     assert "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_qwen3_5_compiles_flash_attention_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Its eager attention is not token-exact past one prefill chunk: refused with the reason
+    before anything is compiled."""
+    os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
+    from rbln_ray.families.qwen3_5 import EAGER_REFUSED
+    from rbln_ray.models import build_tiny_vlm
+
+    out = tmp_path / "out"
+    hf = build_tiny_vlm(family="qwen3_5")
+    assert cli_main(["compile", str(hf), str(out), "--max-seq-len", "2048"]) == 2
+    err = capsys.readouterr().err
+    assert EAGER_REFUSED in err and "Traceback" not in err
+    assert not out.exists()
 
 
 def test_compile_of_a_rejected_config_value_is_a_clear_error(
@@ -197,6 +224,7 @@ def test_every_record_names_real_classes_and_consumers_read_the_registry() -> No
     transformers architecture in transformers; ``rbln-ray build-model`` offers exactly the
     registry's families; vLLM gets a declaration for exactly the records that name one."""
     import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     from rbln_ray.cli.main import parser
     from rbln_ray.emulator import ensure_runtime
@@ -213,7 +241,9 @@ def test_every_record_names_real_classes_and_consumers_read_the_registry() -> No
         assert hasattr(transformers, fam.architecture), fam.architecture
     for fam in VISION.values():
         assert hasattr(optimum.rbln, fam.vision_tower), fam.vision_tower
-        assert fam.language_family in DECODERS
+        # a decoder family, or the transformers model_type of one rbln-ray serves no
+        # text-only family of
+        assert fam.language_family in DECODERS or fam.language_family in CONFIG_MAPPING_NAMES
     build = parser()._subparsers._group_actions[0].choices["build-model"]
     (choice,) = [a for a in build._actions if a.dest == "family"]
     assert set(choice.choices) == {*FAMILIES, "demo"}
@@ -233,6 +263,8 @@ def test_each_vision_family_module_keeps_the_module_contract(name: str) -> None:
     # PLACEHOLDER is empty only where the processor places images itself
     assert code.PLACEHOLDER or fam.images_at_start
     assert set(code.SPECIAL_TOKENS) and callable(code.tiny_model)
+    if "video" in fam.inputs:  # what one video is in a prompt
+        assert code.VIDEO_PLACEHOLDER
     assert issubclass(code.Embedder, PromptEmbedder)
     if fam.declaration:
         module, _, cls = declarations()[fam.architecture].partition(":")

@@ -1,7 +1,10 @@
-"""Qwen2-VL's M-RoPE positions (``rbln_ray.vllm_plugin.mrope``) against transformers' own
-``Qwen2VLModel.get_rope_index`` (what ``generate`` and optimum-rbln's ``_preprocess_prefill``
-use), through the function, rbln-ray's vLLM declaration (``SupportsMRoPE``) and the span a
-prefill chunk or a decode row takes."""
+"""Qwen2-VL's M-RoPE positions (``rbln_ray.families.qwen2_vl.rope_index``) against
+transformers' own ``Qwen2VLModel.get_rope_index`` called as ``generate`` calls it (what
+optimum-rbln's ``_preprocess_prefill`` uses too): on the prompt's token ids with the
+processor's ``mm_token_type_ids``. rbln-ray calls the same function from vLLM's view of a
+request (its ``MultiModalFeatureSpec`` list: placeholder ranges and grids, one image's pixels
+possibly dropped by the prefix cache), through the function, rbln-ray's vLLM declaration
+(``SupportsMRoPE``) and the span a prefill chunk or a decode row takes."""
 
 from __future__ import annotations
 
@@ -62,12 +65,18 @@ LAYOUTS = [
     [2, (14, 8), 3, (4, 6), 7],  # two images of different shapes
     [5, (6, 4)],  # the prompt ends with its image
 ]
+CONFIG = Qwen2VLConfig(vision_config={"spatial_merge_size": MERGE})
+
+
+def rbln_positions(tokens: list[int], grids: list, features=None) -> tuple[torch.Tensor, int]:
+    features = features or [_feature(o, h, w, keep_pixels=True) for o, _, h, w in grids]
+    return _qwen2_vl().rope_index(Qwen2VLModel, CONFIG, tokens, features)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_positions_and_delta_are_transformers(layout: list) -> None:
     tokens, grids, want, want_delta = reference(layout)
-    got, delta = _qwen2_vl().mrope_positions(len(tokens), grids, MERGE)
+    got, delta = rbln_positions(tokens, grids)
     assert torch.equal(got, want) and delta == want_delta
     # a generated token at KV position p has position p + delta in all three dimensions,
     # which is where transformers' decode puts it (cache_position + rope_deltas)
@@ -101,22 +110,21 @@ def _feature(offset: int, h: int, w: int, keep_pixels: bool):
 
 def test_the_vllm_declaration_gives_the_same_positions_from_features() -> None:
     """vLLM's M-RoPE contract on rbln-ray's Qwen2-VL declaration, with one image's pixels
-    already dropped by the prefix cache (its grid is kept on the CPU for exactly this)."""
+    already dropped by the prefix cache (its grid is kept on the CPU for exactly this), the
+    features in any order."""
     from rbln_ray.families.qwen2_vl import RBLNQwen2VLDeclaration
 
     tokens, grids, want, want_delta = reference(LAYOUTS[3])
     features = [_feature(o, h, w, keep_pixels=i == 1) for i, (o, _, h, w) in enumerate(grids)]
-    assert _qwen2_vl().image_grids(features[::-1]) == grids  # prompt order, whatever the list order
-    config = Qwen2VLConfig(vision_config={"spatial_merge_size": MERGE})
-    vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=config))
+    vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=CONFIG))
     declaration = RBLNQwen2VLDeclaration(vllm_config=vllm_config)
-    got, delta = declaration.get_mrope_input_positions(tokens, features)
+    got, delta = declaration.get_mrope_input_positions(tokens, features[::-1])
     assert torch.equal(got, want) and delta == want_delta
 
 
 def test_a_chunk_takes_its_slice_and_generated_tokens_continue_after_delta() -> None:
     tokens, grids, want, delta = reference([100, (16, 16), 40])
-    positions, _ = _qwen2_vl().mrope_positions(len(tokens), grids, MERGE)
+    positions, _ = rbln_positions(tokens, grids)
     assert torch.equal(_qwen2_vl().positions_span(positions, delta, 128, 160), want[:, 128:160])
     # a preempted request prefills prompt + generated tokens again: past the prompt, p + delta
     span = _qwen2_vl().positions_span(positions, delta, 128, len(tokens) + 3)
@@ -127,9 +135,8 @@ def test_a_chunk_takes_its_slice_and_generated_tokens_continue_after_delta() -> 
 
 
 def test_bad_layouts_are_errors() -> None:
-    with pytest.raises(ValueError, match="frames"):
-        _qwen2_vl().mrope_positions(10, [(0, 2, 4, 4)], MERGE)
-    with pytest.raises(ValueError, match="overlap"):
-        _qwen2_vl().mrope_positions(20, [(0, 1, 4, 4), (2, 1, 4, 4)], MERGE)
+    overlapping = [_feature(0, 4, 4, True), _feature(2, 4, 4, True)]
+    with pytest.raises(ValueError, match="overlaps"):
+        rbln_positions([IMAGE] * 20, [], overlapping)
     with pytest.raises(ValueError, match="past the prompt"):
-        _qwen2_vl().mrope_positions(3, [(0, 1, 4, 4)], MERGE)
+        rbln_positions([IMAGE] * 3, [(0, 1, 4, 4)])

@@ -1,20 +1,24 @@
 """Vision-language models through ``vllm.LLM`` on RBLN, token-exact against transformers
 (acceptance 2 of the pooling/vision issue, the offline half; the HTTP half is in
-``tests/serve/test_openai_app.py``).
+``tests/serve/test_vision_serve.py``).
 
 One engine per vision-language family of the registry (a tiny model of each, compiled batch
 4 on the emulator by the code path ``rbln-ray compile`` uses) runs every request at once:
-images of several sizes (Qwen2-VL: 4 to 64 tokens an image, as the processor resizes), two
-images in one prompt where the family takes several, a prompt whose image lies past its first
-128-token prefill chunk (families that place images before the text: a long text after it;
-Qwen2-VL: also one whose image straddles the chunk boundary), the same image twice (vLLM's
-processor cache sends it to the engine once), and a text-only prompt. Each must give the
-prompt token ids and the greedy tokens transformers' own ``generate`` gives on the HF
-processor's inputs. A second engine per family checks prefix caching where the family has
-it: two long prompts with the same text after different images, run twice; the second pass
-reuses each prompt's own cached first block (vLLM keys a block by the images in it), never
-the other image's; for Qwen2-VL the tokens after the cached block still take M-RoPE positions
-that depend on the cached image's grid. A new family joins every test here by its registry
+images of several sizes (the Qwen families: 4 to 64 tokens an image, as the processor
+resizes, a skinny one of one 40-token row, which a windowed tower runs in its longer compiled
+graph, and the largest straddling the 128-token chunk boundary), two images in one prompt
+where the family takes several, a prompt whose image lies past its first 128-token prefill
+chunk (families that place images before the text: a long text after it), the same image
+twice (vLLM's processor cache sends it to the engine once), and a text-only prompt; for the
+families with videos (numpy frames through ``multi_modal_data={"video": ...}``) a video, an
+image and a video of an odd number of frames in one prompt, and an eight-frame video past a
+long text. Each must give the prompt token ids and the greedy tokens transformers' own
+``generate`` gives on the HF processor's inputs. A second engine per family checks prefix
+caching where the family has it: two long prompts with the same text after different images
+(and, for families with videos, two after different videos), run twice; the second pass
+reuses each prompt's own cached first block (vLLM keys a block by the media in it), never the
+other's; for the Qwen families the tokens after the cached block still take M-RoPE positions
+that depend on the cached item's grid. A new family joins every test here by its registry
 record (what it supports decides which requests and expectations apply).
 """
 
@@ -35,6 +39,8 @@ from tests.vision import (
     hf_vlm_greedy,
     image_spec,
     make_image,
+    make_video,
+    video_spec,
 )
 
 pytestmark = pytest.mark.slow
@@ -47,9 +53,14 @@ def chat(body: str) -> str:
     return f"<|user|>\n{body}\n<|assistant|>\n"
 
 
+def any_size(family: str) -> bool:
+    """The family's images are any size (its processor has a pixel budget: the Qwen ones)."""
+    return "max_pixels" in getattr(VISION[family].code(), "SPEC_DEFAULTS", {})
+
+
 def requests_of(family: str) -> list:
-    """(prompt, images) of the first engine of ``family``: ``<image>`` stands for the
-    family's image placeholder."""
+    """(prompt, images, videos) of the first engine of ``family``: ``<image>`` and
+    ``<video>`` stand for the family's placeholders."""
     record = VISION[family]
     img = image_placeholder(family)
     requests = [
@@ -65,10 +76,24 @@ def requests_of(family: str) -> list:
         requests.append((chat("<image>" + "x = 1\n" * 40 + "what is this?"), [image_spec(4)]))
     else:
         requests.append((chat("x = 1\n" * 40 + "<image>what is this?"), [image_spec(4)]))
-    if family == "qwen2_vl":  # the largest image the processor makes (64 tokens) across 128
+    if any_size(family):
+        # the largest image the processor makes (64 tokens) across 128
         requests.append((chat("z = 3\n" * 24 + "<image>and now?"), [image_spec(9, 224, 224)]))
+        # a skinny one: one row of 40 tokens (windowed towers pad it to their longer graph)
+        requests.append((chat("<image>a long thin one"), [image_spec(10, 1120, 28)]))
+    requests = [(prompt, images, []) for prompt, images in requests]
+    if "video" in record.inputs:  # numpy frames
+        requests += [
+            (chat("<video>describe the video"), [], [video_spec(1)]),
+            # an odd number of frames (the last repeated), after an image
+            (chat("<image> and <video>: the same?"), [image_spec(2)], [video_spec(2, frames=5)]),
+            # eight frames, past a long text
+            (chat("v = 5\n" * 28 + "<video>and this?"), [], [video_spec(3, 8, 96, 96)]),
+        ]
+    vid = getattr(record.code(), "VIDEO_PLACEHOLDER", "")
     return [
-        (as_prompt(family, prompt.replace("<image>", img)), images) for prompt, images in requests
+        (as_prompt(family, prompt.replace("<image>", img).replace("<video>", vid)), images, videos)
+        for prompt, images, videos in requests
     ]
 
 
@@ -76,7 +101,11 @@ def cached_of(family: str) -> list:
     """Same text, different images at the start: their first 128-token blocks differ by the
     image."""
     text = image_placeholder(family) + "y = 2\n" * 40 + "what now?"
-    return [(as_prompt(family, chat(text)), [image_spec(s)]) for s in (6, 8)]
+    cached = [(chat(text), [image_spec(6)], []), (chat(text), [image_spec(8)], [])]
+    if "video" in VISION[family].inputs:  # and the same after different videos
+        text = VISION[family].code().VIDEO_PLACEHOLDER + "y = 2\n" * 40 + "what now?"
+        cached += [(chat(text), [], [video_spec(6)]), (chat(text), [], [video_spec(8)])]
+    return [(as_prompt(family, p), i, v) for p, i, v in cached]
 
 
 def as_prompt(family: str, prompt: str) -> str:
@@ -98,9 +127,10 @@ def engine_run(family: str, requests: list, **extra) -> dict:
             {
                 "prompt": prompt,
                 "images": images,
+                "videos": videos,
                 "params": {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True},
             }
-            for prompt, images in requests
+            for prompt, images, videos in requests
         ],
         "rpc": ["step_stats"],
         **extra,
@@ -129,8 +159,14 @@ def runs() -> dict[str, list[dict]]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_with_images_matches_transformers(runs: dict, family: str) -> None:
     run, hf_dir = runs[family][0], build_tiny_vlm(family=family)
-    for i, (prompt, images) in enumerate(REQUESTS[family]):
-        want_prompt, want = hf_vlm_greedy(hf_dir, prompt, [make_image(**s) for s in images], 16)
+    for i, (prompt, images, videos) in enumerate(REQUESTS[family]):
+        want_prompt, want = hf_vlm_greedy(
+            hf_dir,
+            prompt,
+            [make_image(**s) for s in images],
+            MAX_TOKENS,
+            videos=[make_video(**v) for v in videos],
+        )
         assert run["prompt_token_ids"][i] == want_prompt, i
         assert run["outputs"][i][0]["token_ids"] == want, i
 
@@ -151,21 +187,32 @@ def test_bidirectional_prefill_changes_the_output(family: str) -> None:
     images), the reference's tokens depend on it, so matching it means the compiled prefill
     attended so too."""
     hf_dir = build_tiny_vlm(family=family)
-    prompt, specs = REQUESTS[family][0]
+    prompt, specs, _ = REQUESTS[family][0]
     images = [make_image(**s) for s in specs]
     _, want = hf_vlm_greedy(hf_dir, prompt, images, MAX_TOKENS)
     _, causal = hf_vlm_greedy(hf_dir, prompt, images, MAX_TOKENS, causal=True)
     assert want != causal
 
 
-# (no case when TEST_VISION_FAMILIES leaves Qwen2-VL out)
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f == "qwen2_vl"])
-def test_qwen2_vl_images_are_as_many_tokens_as_their_size_and_lie_where_asked(
+@pytest.mark.parametrize("family", [f for f in FAMILIES if "video" in VISION[f].inputs])
+def test_videos_change_the_output(family: str) -> None:
+    """As for images: the reference is sensitive to the video's frames and to their order."""
+    hf_dir = build_tiny_vlm(family=family)
+    (prompt, _, [spec]) = next(r for r in REQUESTS[family] if r[2] and not r[1])
+    video = make_video(**spec)
+    _, first = hf_vlm_greedy(hf_dir, prompt, [], MAX_TOKENS, videos=[video])
+    _, other = hf_vlm_greedy(hf_dir, prompt, [], MAX_TOKENS, videos=[video[::-1].copy()])
+    assert first != other
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if any_size(f)])
+def test_images_are_as_many_tokens_as_their_size_and_lie_where_asked(
     runs: dict, family: str
 ) -> None:
-    """Qwen2-VL's processor resizes each image to multiples of 28 pixels within its budget,
-    one token per 28 x 28: the prompts above cover 4 to 64 image tokens, an image past the
-    first prefill chunk and one across the chunk boundary."""
+    """The Qwen families' processors resize each image to multiples of the merged token
+    within their budget, one token per merged patch: the prompts above cover images of
+    several token counts, an image past the first prefill chunk and one across the chunk
+    boundary."""
     from rbln_ray.compile.vision import load_hf_processor
 
     pad = load_hf_processor(build_tiny_vlm(family=family)).image_token_id
@@ -173,7 +220,7 @@ def test_qwen2_vl_images_are_as_many_tokens_as_their_size_and_lie_where_asked(
     for ids in runs[family][0]["prompt_token_ids"]:
         where = [i for i, t in enumerate(ids) if t == pad]
         spans.append((where[0], where[-1] + 1, len(where)) if where else None)
-    assert {s[2] for s in spans if s} >= {4, 28, 64}  # image sizes: 4, 28 and 64 tokens
+    assert len({s[2] for s in spans if s}) >= 4  # images of (at least) four token counts
     assert spans[5][0] > CHUNK  # the image lies past the first 128-token chunk
     assert spans[6][0] < CHUNK < spans[6][1]  # the largest image straddles the boundary
 
@@ -185,20 +232,24 @@ def test_prefix_cache_hits_are_keyed_by_the_image(runs: dict, family: str) -> No
     cached = runs[family][1]
     hf_dir = build_tiny_vlm(family=family)
     wants = []
-    for i, (prompt, images) in enumerate(CACHED[family]):
-        _, want = hf_vlm_greedy(hf_dir, prompt, [make_image(**s) for s in images], MAX_TOKENS)
+    for i, (prompt, images, videos) in enumerate(CACHED[family]):
+        media = [make_image(**s) for s in images]
+        _, want = hf_vlm_greedy(
+            hf_dir, prompt, media, MAX_TOKENS, videos=[make_video(**v) for v in videos]
+        )
         for n, outputs in enumerate(cached["passes"]):
             assert outputs[i][0]["token_ids"] == want, (i, n)
         wants.append(want)
-    assert wants[0] != wants[1]  # the image decides the answer, so a wrong hit would show
     assert len(cached["prompt_token_ids"][0]) > CHUNK
     reused = cached["rpc"]["step_stats"][0]["prefix_reused_tokens"]
     if not VISION[family].prefix_caching:
         assert not cached["config"]["enable_prefix_caching"] and reused == 0
         return
+    # the image (video) decides the answer, so a wrong hit would show
+    assert all(wants[i] != wants[i + 1] for i in range(0, len(wants), 2))
     assert cached["config"]["enable_prefix_caching"]
     # the second pass reused one cached 128-token block per prompt; the first reused none
-    assert reused == 2 * CHUNK
+    assert reused == len(CACHED[family]) * CHUNK
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,0 +1,148 @@
+"""Qwen3.5 on RBLN: Qwen3-VL's tower (:mod:`.qwen3_vl`, without deepstack) before a hybrid
+language model whose layers are mostly linear attention (gated delta nets) with a few full
+attention layers.
+
+What differs from the Qwen families before it, and why:
+
+* **State slots.** A linear-attention layer carries a convolution state and a recurrent state
+  per sequence instead of KV blocks. optimum-rbln 0.12 compiles them as static buffers of one
+  row per compiled batch slot: a prefill writes the row its ``batch_idx`` names, and the
+  decode graph runs the full compiled batch, reading and writing row i for device row i. So
+  the scheduler pins a slot to each request for its life (as for sliding-window layers) and
+  the runner lays every decode step out by slot (the artifact's ``state_slots``).
+* **Whole prompts.** A prompt's state is built from its first token: optimum's prefill
+  raises on a prefill that starts past position 0, and the state after a cached prefix is not
+  kept, so chunked prefill and prefix caching are off (the record says so).
+* **Compile.** Only ``attn_impl="flash_attn"``: optimum-rbln 0.12's eager attention for
+  Qwen3.5 takes a prefill window's smallest cache position, which the zero padding of a
+  partial last window makes 0, so a prompt longer than ``prefill_chunk_size`` is not exact;
+  flash attention also needs ``kvcache_partition_len`` >= 1024 and two partitions of
+  ``max_seq_len``. The decode graph is compiled for the full batch only.
+* **Emulator.** Its linear attention calls ``torch.ops.rbln.tri_recur_update``, its runtime
+  orders inputs by ``Runtime._index_to_input_name`` (the graph's used inputs) and its graphs
+  declare state masks after the static states; the emulator provides all three
+  (:mod:`rbln_ray.emulator.runtime`, :mod:`rbln_ray.emulator.ops`).
+
+Processor, videos, prompt embeddings (no deepstack) and M-RoPE (``Qwen3_5Model.get_rope_index``,
+interleaved sections of the rotary part of the head) are Qwen3-VL's.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.transformers_utils.configs.qwen3_5 import Qwen3_5Config
+
+from rbln_ray.families import qwen2_vl, qwen3_vl
+from rbln_ray.families.qwen2_vl import Qwen2VLDummyInputs, Qwen2VLMultiModalProcessor
+
+logger = logging.getLogger(__name__)
+
+PLACEHOLDER, SPECIAL_TOKENS = qwen3_vl.PLACEHOLDER, qwen3_vl.SPECIAL_TOKENS
+VIDEO_PLACEHOLDER = qwen3_vl.VIDEO_PLACEHOLDER
+SPEC_DEFAULTS = qwen3_vl.SPEC_DEFAULTS
+vision_rbln_config = qwen3_vl.vision_rbln_config
+# optimum-rbln 0.12's flash attention on ATOM: a KV partition of at least 1024 tokens, at
+# least two partitions per sequence
+FLASH_PARTITION = 1024
+EAGER_REFUSED = (
+    "optimum-rbln 0.12's Qwen3.5 eager attention takes a prefill window's smallest cache "
+    "position, which the zero padding of a partial last window makes 0: not token-exact for "
+    "prompts longer than prefill_chunk_size; compile with attn_impl='flash_attn'"
+)
+
+
+def load_processor(model_dir: str | Path, **kwargs: Any) -> Any:
+    return qwen3_vl.load_processor(model_dir, **kwargs)
+
+
+def after_compile(hf_dir: str | Path, out: Path) -> None:
+    qwen3_vl.after_compile(hf_dir, out)
+
+
+def compile_settings(settings: Any) -> Any:
+    """The language model's settings as Qwen3.5 compiles: flash attention only (refused
+    otherwise, with the reason), one decode graph of the full batch (decode rows are state
+    slots)."""
+    if settings.attn_impl != "flash_attn":
+        raise ValueError(f"Qwen3.5: attn_impl={settings.attn_impl!r} is refused: {EAGER_REFUSED}")
+    if tuple(settings.decoder_batch_sizes or ()) not in ((), (settings.batch_size,)):
+        logger.info(
+            "Qwen3.5: decoder_batch_sizes %s -> (%d,): decode rows are the batch's state slots",
+            settings.decoder_batch_sizes,
+            settings.batch_size,
+        )
+    return settings.model_copy(update={"decoder_batch_sizes": (settings.batch_size,)})
+
+
+# ----------------------------------------------------------------------------- runner
+class Embedder(qwen3_vl.Embedder):
+    """Qwen3-VL's embedder: the tower gives no deepstack features here."""
+
+    ROPE_MODEL = Qwen3_5Model
+
+    def _tower(self, pixels: torch.Tensor, grid: torch.Tensor) -> Any:
+        return self.model.visual(pixels, grid_thw=grid.view(1, 3))
+
+
+# ----------------------------------------------------------------------------- vLLM
+class Qwen3_5ProcessingInfo(qwen3_vl.Qwen3VLProcessingInfo):
+    # vLLM 0.30 loads qwen3_5 configs with its own class (vllm.transformers_utils.configs)
+    CONFIG = Qwen3_5Config
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    Qwen2VLMultiModalProcessor, info=Qwen3_5ProcessingInfo, dummy_inputs=Qwen2VLDummyInputs
+)
+class RBLNQwen3_5Declaration(qwen3_vl.RBLNQwen3VLDeclaration):
+    """``Qwen3_5ForConditionalGeneration`` as vLLM's registry and front end see it on RBLN
+    (vLLM 0.30's own ``qwen3_5`` imports torchvision through ``qwen2_vl``)."""
+
+    EMBEDDER = Embedder
+
+
+# ----------------------------------------------------------------------------- tiny model
+def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """Qwen3.5's recipe at the spec's shape: Qwen3-VL's tower without deepstack; a language
+    model whose layers are linear attention (gated delta nets: a 4-tap causal convolution, 2
+    key and 4 value heads of 16) but the last, full attention with a gated output, rotary over
+    a quarter of the head with interleaved M-RoPE sections."""
+    import transformers
+
+    language = spec.language
+    head_dim = language.hidden_size // language.num_heads
+    pairs = int(head_dim * 0.25) // 2  # rotary pairs of the partial rotary dimensions
+    temporal = pairs - 2 * (pairs // 4)
+    text = dict(
+        qwen3_vl.tiny_text(spec, tokenizer),
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [temporal, pairs // 4, pairs // 4],
+            "mrope_interleaved": True,
+        },
+        # optimum reads the top-level factor, transformers' rotary the rope_parameters one
+        partial_rotary_factor=0.25,
+        layer_types=["linear_attention"] * (language.num_layers - 1) + ["full_attention"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    )
+    vision = qwen3_vl.tiny_vision(spec)
+    vision.pop("deepstack_visual_indexes")
+    config = transformers.Qwen3_5Config(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        **qwen2_vl.token_ids(tokenizer),
+    )
+    model = transformers.Qwen3_5ForConditionalGeneration(config)
+    return model, qwen3_vl.tiny_processor(spec, tokenizer)
