@@ -7,8 +7,6 @@ from types import SimpleNamespace
 
 import torch
 
-from rbln_ray.vllm_plugin.speech_runner import RBLNSpeechRunner, SpeechStepStats
-
 ROWS, VOCAB = 4, 7
 
 
@@ -33,7 +31,11 @@ class RecordingDecoder:
         return SimpleNamespace(logits=logits)
 
 
-def runner() -> RBLNSpeechRunner:
+def runner():
+    # imported here, not at collection: the runner module imports vLLM's model runner, which
+    # resolves vLLM's platform, and the session's RBLN_RAY_DEVICE is set after collection
+    from rbln_ray.vllm_plugin.speech_runner import RBLNSpeechRunner, SpeechStepStats
+
     r = RBLNSpeechRunner.__new__(RBLNSpeechRunner)
     r.artifact = SimpleNamespace(
         batch_size=ROWS, scratch_block=ROWS, use_attention_mask=False, max_seq_len=448
