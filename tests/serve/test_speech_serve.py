@@ -129,6 +129,17 @@ def test_translation_and_streaming_follow_vllm(speech_app, wav_files) -> None:
         extra_body={"language": "en", "max_completion_tokens": MAX_TOKENS},
     )
     assert translated.text == expected_text(wav, PROMPT.format(lang="en", task="translate"))
+    # response_format="text": `vllm serve` answers it with the JSON body too (its router
+    # returns every non-streamed response as JSON); the client hands back the raw body
+    transcribe = PROMPT.format(lang="en", task="transcribe")
+    raw = api.audio.transcriptions.create(
+        model="whisper",
+        file=("a.wav", wav),
+        language="en",
+        response_format="text",
+        extra_body={"max_completion_tokens": MAX_TOKENS},
+    )
+    assert json.loads(raw)["text"] == expected_text(wav, transcribe)
     # vLLM streams chat-like SSE chunks (choices[0].delta.content), then [DONE]
     form = {"model": "whisper", "language": "en", "stream": "true", "max_completion_tokens": "40"}
     deltas = []
@@ -145,7 +156,6 @@ def test_translation_and_streaming_follow_vllm(speech_app, wav_files) -> None:
     for line in lines[:-1]:
         for choice in json.loads(line[6:]).get("choices", []):
             deltas.append(choice.get("delta", {}).get("content") or "")
-    transcribe = PROMPT.format(lang="en", task="transcribe")
     assert "".join(deltas) == expected_text(wav, transcribe)
     # no language: vLLM detects it first (one more engine request, its token constrained to
     # the language tokens by vLLM's sampler), then transcribes in it
