@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from rbln_ray.common.paths import atomic_dir, cache_dir
@@ -47,6 +47,9 @@ class TinyModelSpec:
     sliding_window: int | None = None
     num_experts: int = 4  # MoE families: experts per layer ...
     experts_per_token: int = 2  # ... and how many each token uses
+    # Tokens added to the trained tokenizer as single, non-special tokens (e.g. `<think>`
+    # for a reasoning parser); the model's vocabulary grows to hold them.
+    added_tokens: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -64,6 +67,8 @@ class TinyModelSpec:
     def key_fields(self) -> dict:
         """The fields that identify this model in cache keys (see ``_LATER_FIELDS``)."""
         fields = asdict(self)
+        if not self.added_tokens:  # absent from every key made before the field existed
+            del fields["added_tokens"]
         if self.family in _LEGACY_FAMILIES:
             defaults = TinyModelSpec.__dataclass_fields__
             for name in _LATER_FIELDS:
@@ -99,8 +104,12 @@ def build_tiny_model(spec: TinyModelSpec | None = None, out_dir: Path | None = N
         return out
     tok_dir = build_tokenizer(spec.vocab_size)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    shape = spec
+    if spec.added_tokens:
+        tokenizer.add_tokens(list(spec.added_tokens), special_tokens=False)
+        shape = replace(spec, vocab_size=-(-len(tokenizer) // 64) * 64)
     config = make_config(
-        spec, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+        shape, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
     )
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

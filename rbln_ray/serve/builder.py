@@ -25,7 +25,7 @@ from rbln_ray.serve.config import (
     RequestLimits,
     load_config,
 )
-from rbln_ray.serve.ingress import OpenAIIngress, app
+from rbln_ray.serve.ingress import OpenAIIngress
 from rbln_ray.serve.naming import server_deployment_name
 from rbln_ray.serve.server import LLMServer
 
@@ -91,13 +91,6 @@ def accepts_images(cfg: ModelDeploymentConfig) -> bool:
     return art is None and vision_for_dir(cfg.model) is not None
 
 
-def transcribes(cfg: ModelDeploymentConfig) -> bool:
-    """Whether the model is a speech-to-text model (/v1/audio/*)."""
-    from rbln_ray.families.registry import speech_for_dir
-
-    return cfg.model != DEMO_MODEL and speech_for_dir(cfg.model) is not None
-
-
 def replica_max_ongoing(cfg: ModelDeploymentConfig) -> int:
     """Requests Serve hands one replica at a time: by default 2 x its decode slots.
 
@@ -131,9 +124,13 @@ def build_server(
         "graceful_shutdown_timeout_s": 30,
         "ray_actor_options": {"num_cpus": 0},
     }
-    if routing == "prefix_affinity":
+    if routing == "prefix_affinity":  # it also pins calls about stored responses
         options["request_router_config"] = RequestRouterConfig(
             request_router_class="rbln_ray.serve.routing.PrefixAffinityRouter"
+        )
+    elif cfg.responses_store:
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class="rbln_ray.serve.routing.ResponseAffinityRouter"
         )
     if cfg.autoscaling_config is not None:
         options["autoscaling_config"] = cfg.autoscaling_config
@@ -160,6 +157,10 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
     if isinstance(args, dict) and set(args) == {"config"}:  # serve run ... config=FILE
         args = args["config"]
     config = load_config(args)
+    from rbln_ray.serve.vllm_args import serve_namespace
+
+    for m in config.models:  # vLLM's own checks of each model's options, before any replica
+        serve_namespace(m.model, m.name, m.vllm_kwargs())
     if ray.is_initialized():  # inside the cluster (serve deploy/run): fail fast if infeasible
         wait_placeable(
             [
@@ -169,17 +170,18 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
             ]
         )  # fmt: skip
     servers = {m.name: build_server(m, config.routing, config.limits) for m in config.models}
-    ingress = serve.deployment(serve.ingress(app)(OpenAIIngress)).options(
+    # Late-bound: each ingress replica builds its app (vLLM's routes) in
+    # OpenAIIngress.__serve_build_asgi_app__.
+    ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
         **ingress_options(config.ingress)
     )
     lens = {m.name: compiled_max_seq_len(m) for m in config.models}
     image_models = [m.name for m in config.models if accepts_images(m)]
-    speech_models = [m.name for m in config.models if transcribes(m)]
     return ingress.bind(
         servers,
         config.resolved_api_key(),
         config.limits.model_dump(),
         lens,
         image_models,
-        speech_models,
+        config.cors_allowed_origins,
     )

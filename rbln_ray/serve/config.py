@@ -15,6 +15,10 @@ Example (YAML)::
         num_replicas: 2      # or autoscaling_config: {min_replicas: 1, max_replicas: 4}
         placement_strategy: PACK
         engine_kwargs: {}    # any `vllm serve` option, by its Python name
+        # vllm serve's chat options (README, "Tool calling and reasoning"):
+        # chat_template: /path/tmpl.jinja, tool_call_parser: hermes,
+        # enable_auto_tool_choice: true, reasoning_parser: deepseek_r1
+        # responses_store: true    # Responses API store, retrieve, cancel
       - name: embed          # an encoder (BERT): /v1/embeddings and /v1/score
         model: /models/bert-compiled
 """
@@ -102,6 +106,10 @@ class IngressConfig(_Strict):
     graceful_shutdown_timeout_s: float = Field(default=600, gt=0)
 
 
+# ModelDeploymentConfig fields that are `vllm serve` options of the same name.
+SERVE_FIELDS = ("chat_template", "tool_call_parser", "enable_auto_tool_choice", "reasoning_parser")
+
+
 class ModelDeploymentConfig(PlacementSettings):
     """One served model: where it comes from, how it is compiled when it is an HF directory,
     and how many devices/replicas it gets (``placement_strategy`` / ``placement_timeout_s``:
@@ -121,7 +129,23 @@ class ModelDeploymentConfig(PlacementSettings):
     max_ongoing_requests: int | None = Field(default=None, ge=1)
     # Requests waiting for a replica beyond this get 429 instead of queueing without bound.
     max_queued_requests: int = Field(default=256, ge=1)
+    # Any `vllm serve` option by its Python name (`enable_prefix_caching: false`,
+    # `structured_outputs_config: {backend: xgrammar}`), parsed by vLLM's own parser
+    # (rbln_ray.serve.vllm_args).
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # `vllm serve`'s chat options, first-class (merged into engine_kwargs; README "Tool
+    # calling"): a Jinja template (a file path, or the template itself), a tool-call parser
+    # (`hermes`, `llama3_json`, ...; `enable_auto_tool_choice` lets the model decide when to
+    # call one) and a reasoning parser (`deepseek_r1`, `qwen3`, ...).
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+    # Keep Responses API responses in the replica that made them (vLLM's
+    # VLLM_ENABLE_RESPONSES_API_STORE): `store`, `background`, retrieve, cancel and
+    # `previous_response_id`; requests about a stored response are routed to its replica.
+    # vLLM never evicts stored responses: off by default, as in vLLM.
+    responses_store: bool = False
     # Each replica serves a few tiny requests of its own before it reports healthy, so that
     # no user request pays for first device calls (rbln_ray.serve.warmup).
     warm_up: bool = True
@@ -133,6 +157,29 @@ class ModelDeploymentConfig(PlacementSettings):
         if self.num_replicas is None and self.autoscaling_config is None:
             self.num_replicas = 1
         return self
+
+    @model_validator(mode="after")
+    def _one_value_per_option(self) -> ModelDeploymentConfig:
+        self.vllm_kwargs()  # raises on a field given twice with two values
+        return self
+
+    def vllm_kwargs(self) -> dict[str, Any]:
+        """The model's ``vllm serve`` options: ``engine_kwargs`` plus the chat fields above,
+        and rbln-ray's defaults (``/tokenizer_info`` on: a routed app has no other way to
+        tell a client which tokenizer a model uses)."""
+        merged = dict(self.engine_kwargs)
+        for name in SERVE_FIELDS:
+            value = getattr(self, name)
+            if value in (None, False):
+                continue
+            if name in merged and merged[name] != value:
+                raise ValueError(
+                    f"model {self.name}: {name} is {value!r} but engine_kwargs.{name} is "
+                    f"{merged[name]!r}; give it once"
+                )
+            merged[name] = value
+        merged.setdefault("enable_tokenizer_info_endpoint", True)
+        return merged
 
     @field_validator("model")
     @classmethod
@@ -158,6 +205,9 @@ class AppConfig(_Strict):
     api_key_env: str | None = None
     api_key_file: str | None = None
     routing: Literal["load_aware", "prefix_affinity"] = "load_aware"
+    # Browser origins allowed to call the app (CORS; `vllm serve`'s --allowed-origins, which
+    # defaults to every origin). Empty: no CORS headers, browsers refuse cross-origin calls.
+    cors_allowed_origins: list[str] = Field(default_factory=list)
     limits: RequestLimits = Field(default_factory=lambda: RequestLimits())
     ingress: IngressConfig = Field(default_factory=lambda: IngressConfig())
     models: list[ModelDeploymentConfig] = Field(min_length=1)

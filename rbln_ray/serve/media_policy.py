@@ -66,6 +66,51 @@ def media_parts(messages: Iterable[Any]) -> Iterator[MediaPart]:
             yield MediaPart(kind, value, part.get("uuid"))
 
 
+def request_media_parts(path: str, body: dict[str, Any]) -> Iterator[MediaPart]:
+    """Every non-text content part of a request body of any route: chat messages (one
+    conversation, or a batch of them), a Responses API ``input``, Anthropic ``messages``
+    (whose image blocks vLLM turns into image URLs)."""
+    if path.startswith("/v1/messages"):
+        yield from media_parts(_anthropic_as_chat(body.get("messages")))
+        return
+    if path.startswith("/v1/responses"):
+        value = body.get("input")
+        if isinstance(value, list):
+            yield from media_parts(value)
+        return
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[0], list):
+        for conversation in messages:  # /v1/chat/completions/batch
+            yield from media_parts(conversation)
+    elif isinstance(messages, list):
+        yield from media_parts(messages)
+
+
+def _anthropic_as_chat(messages: Any) -> Iterator[dict[str, Any]]:
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            yield {"content": list(_anthropic_parts(content))}
+
+
+def _anthropic_parts(blocks: list[Any]) -> Iterator[dict[str, Any]]:
+    """Anthropic image blocks as the image URLs vLLM makes of them (a base64 source becomes a
+    data URL), also inside tool results."""
+    for block in blocks:
+        if not isinstance(block, dict):
+            continue
+        if block.get("type") == "image":
+            source = block.get("source") if isinstance(block.get("source"), dict) else {}
+            url = None
+            if source.get("type") == "base64":
+                url = f"data:{source.get('media_type')};base64,{source.get('data')}"
+            elif source.get("type") == "url":
+                url = source.get("url")
+            yield {"type": "image_url", "image_url": {"url": url}}
+        elif block.get("type") == "tool_result" and isinstance(block.get("content"), list):
+            yield from _anthropic_parts(block["content"])
+
+
 def check_media(
     model: str, parts: list[MediaPart], accepts: tuple[str, ...], limits: RequestLimits
 ) -> tuple[int, str] | None:
@@ -143,7 +188,11 @@ def check_processor_kwargs(parsed: Any, limits: RequestLimits) -> tuple[int, str
         "media_io_kwargs": set(limits.allowed_media_io_kwargs),
     }
     for field, names in allowed.items():
-        given = getattr(parsed, field, None) or {}
+        given = (
+            parsed.get(field) if isinstance(parsed, dict) else getattr(parsed, field, None)
+        ) or {}
+        if not isinstance(given, dict):
+            continue  # the request model refuses it
         refused = sorted(set(given) - names)
         if refused:
             return 400, (f"{field} {refused} not allowed (limits.allowed_{field}: {sorted(names)})")

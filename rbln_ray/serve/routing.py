@@ -1,28 +1,54 @@
-"""Optional prefix-affinity routing between the replicas of one model.
+"""Request routers between the replicas of one model.
 
-Why: requests that share a prompt prefix (a system prompt, a few-shot header) land on the same
-replica, which keeps their work (and any future prefix reuse) together, while Serve's own
-capacity checks still move a request on when that replica is full. Rendezvous hashing of the
-first ``PREFIX_CHARS`` characters ranks the replicas: the same prefix always prefers the same
-replica, and adding or removing a replica only moves the prefixes that replica owned.
+* :class:`PrefixAffinityRouter` (``routing: prefix_affinity``): requests that share a prompt
+  prefix (a system prompt, a few-shot header) land on the same replica, which keeps their
+  work (and its prefix cache) together, while Serve's own capacity checks still move a
+  request on when that replica is full. Rendezvous hashing of the call's prefix
+  (:attr:`~rbln_ray.serve.http_call.HTTPCall.prefix`) ranks the replicas: the same prefix
+  always prefers the same replica, and adding or removing a replica only moves the prefixes
+  that replica owned.
+* :class:`ResponseAffinityRouter` (models with ``responses_store``): a call about a stored
+  Responses API response (retrieve, cancel, ``previous_response_id``) goes to the replica
+  holding it (:attr:`~rbln_ray.serve.http_call.HTTPCall.replica`); other calls are load
+  balanced as Serve's default router does (two random replicas, the less loaded one).
+
+Both honour a call's required replica, and neither hands requests out in FIFO order: Serve's
+``FIFOMixin`` gives a chosen replica to the oldest waiting request, which could be another
+request than the one pinned to it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import random
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import LocalityMixin, PendingRequest, RequestRouter, RunningReplica
 
-PREFIX_CHARS = 256
+from rbln_ray.serve.http_call import PREFIX_CHARS, routing_prefix
 
 
 def prompt_prefix(request: Any) -> str:
-    """The routing key of a completion or chat request: the start of its prompt text."""
-    prompt = getattr(request, "prompt", None)
-    if prompt is None and getattr(request, "messages", None) is not None:
-        prompt = "\n".join(str(m.get("content", "")) for m in request.messages)
-    return str(prompt or "")[:PREFIX_CHARS]
+    """The routing key of a request: an :class:`HTTPCall`'s prefix, or the start of a parsed
+    request's prompt text (``RBLNClient``-style objects)."""
+    prefix = getattr(request, "prefix", None)
+    if isinstance(prefix, str):
+        return prefix
+    return routing_prefix(request)[:PREFIX_CHARS]
+
+
+def required_replica(pending_request: PendingRequest | None) -> str | None:
+    """The replica (unique id) a call must reach, if it names one."""
+    if pending_request is None or not pending_request.args:
+        return None
+    return getattr(pending_request.args[0], "replica", None)
+
+
+def pinned(candidates: list[RunningReplica], replica: str) -> list[list[RunningReplica]]:
+    """That replica; or, when it is gone, any (whose vLLM answers 404 for a response it
+    never stored, as a restarted ``vllm serve`` would)."""
+    chosen = [r for r in candidates if r.replica_id.unique_id == replica]
+    return [chosen] if chosen else [candidates]
 
 
 def rank(prefix: str, replica_ids: list[str]) -> list[str]:
@@ -53,6 +79,26 @@ class PrefixAffinityRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if pending_request is None or not pending_request.args:
             return [candidate_replicas]
+        replica = required_replica(pending_request)
+        if replica:
+            return pinned(candidate_replicas, replica)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         order = rank(prompt_prefix(pending_request.args[0]), list(by_id))
         return [[by_id[replica_id]] for replica_id in order]
+
+
+class ResponseAffinityRouter(LocalityMixin, RequestRouter):
+    """Serve request router: a call's required replica, else the less loaded of two random
+    replicas (on this node first, as Serve's default router)."""
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        replica = required_replica(pending_request)
+        if replica:
+            return pinned(candidate_replicas, replica)
+        near = self.apply_locality_routing(pending_request=pending_request)
+        pool = [r for r in candidate_replicas if r.replica_id in near] or candidate_replicas
+        return [random.sample(pool, min(2, len(pool)))]

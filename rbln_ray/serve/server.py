@@ -1,13 +1,16 @@
 """The per-model server deployment: one vLLM ``AsyncLLM`` engine per replica.
 
-Each replica builds its engine exactly as ``vllm serve`` does (vLLM's own argument parser and
-``init_app_state``), so the OpenAI protocol models, chat templates, sampling validation and
-streaming are vLLM's. The engine runs on :class:`~rbln_ray.executor.RBLNRayExecutor`, whose
-worker actors take the ``RBLN`` bundles of the replica's placement group: Serve places a
-replica only where its devices are free, and the devices die with the replica.
+Each replica builds its engine and its HTTP app exactly as ``vllm serve`` does (vLLM's own
+argument parser, ``build_app`` and ``init_app_state``), so every route, protocol model, chat
+template, tool and reasoning parser, validation and error body is vLLM's. The engine runs on
+:class:`~rbln_ray.executor.RBLNRayExecutor`, whose worker actors take the ``RBLN`` bundles of
+the replica's placement group: Serve places a replica only where its devices are free, and
+the devices die with the replica.
 
-Methods are called through a ``DeploymentHandle`` with ``stream=True`` and yield either one
-dict (a full response, or ``{"error": ...}``) or the SSE lines of a streaming response.
+Requests arrive through a ``DeploymentHandle`` (``stream=True``) as
+:class:`~rbln_ray.serve.http_call.HTTPCall` objects: :meth:`LLMServer.http` runs each through
+vLLM's app in process (:mod:`rbln_ray.serve.asgi_call`) and streams back an
+:class:`~rbln_ray.serve.http_call.HTTPStart` and then body chunks.
 """
 
 from __future__ import annotations
@@ -22,11 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from rbln_ray.serve.config import DEMO_MODEL, ModelDeploymentConfig, RequestLimits
+from rbln_ray.serve.http_call import HTTPCall, HTTPStart
 
 logger = logging.getLogger(__name__)
 
 DEATH_TIMEOUT_S = 30.0  # bound on waiting for this replica's own kill (see LLMServer._die)
 STOP_TIMEOUT_S = 10.0  # bound on shutting a dead engine down before that kill
+# Environment a replica's vLLM app must not see: the ingress owns authentication, and engine
+# control routes (development mode, runtime LoRA) are not served (rbln_ray.serve.routes).
+UNSET_ENV = ("VLLM_API_KEY", "VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+RESPONSES_ROUTES = ("/v1/responses", "/v1/responses/render")
 
 
 def resolve_model_path(model: str) -> str:
@@ -41,27 +49,20 @@ def resolve_model_path(model: str) -> str:
 def engine_namespace(
     cfg: ModelDeploymentConfig, model_path: str, limits: RequestLimits | None = None
 ):
-    """``vllm serve``'s parsed arguments for this model, with rbln-ray's engine settings and
-    the app's media policy (:func:`rbln_ray.serve.media_policy.replica_media_args`: it wins
-    over ``engine_kwargs``)."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
+    """``vllm serve``'s parsed arguments for this model (its options parsed by vLLM's own
+    parser, :mod:`rbln_ray.serve.vllm_args`), with rbln-ray's engine settings and the app's
+    media policy (:func:`rbln_ray.serve.media_policy.replica_media_args`: it wins over
+    ``engine_kwargs``)."""
     from rbln_ray.families.registry import vision_for_dir
     from rbln_ray.serve.media_policy import replica_media_args
+    from rbln_ray.serve.vllm_args import serve_namespace
     from rbln_ray.vllm_plugin.options import PREFIX
 
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(
-        ["--model", model_path, "--served-model-name", cfg.name]
-    )
-    for key, value in cfg.engine_kwargs.items():
-        if not hasattr(args, key):
-            raise ValueError(f"engine_kwargs: unknown vLLM option {key!r} for model {cfg.name}")
-        setattr(args, key, value)
+    kwargs = cfg.vllm_kwargs()
     accepts_images = vision_for_dir(model_path) is not None
-    for key, value in replica_media_args(limits or RequestLimits(), accepts_images).items():
-        setattr(args, key, value)
-    if "fingerprint_mode" not in cfg.engine_kwargs:
+    kwargs.update(replica_media_args(limits or RequestLimits(), accepts_images))
+    args = serve_namespace(model_path, cfg.name, kwargs)
+    if "fingerprint_mode" not in kwargs:
         # vLLM's default fingerprint hashes the whole engine config, which includes this
         # replica's own Ray driver details: every replica would answer with another one.
         args.fingerprint_mode = "custom"
@@ -73,6 +74,8 @@ def engine_namespace(
         PREFIX + "compile": cfg.compile.as_dict(),
         **{PREFIX + name: value for name, value in placement.items()},
     }
+    # The ingress owns authentication: calls it forwards carry no key.
+    args.api_key = None
     return args
 
 
@@ -90,17 +93,31 @@ def deployment_fingerprint(cfg: ModelDeploymentConfig, model_path: str) -> str:
     return f"vllm-{vllm_version}-rbln-{digest.hexdigest()[:8]}"
 
 
-def _json_body(serving: Any) -> Any:
-    """vLLM's pooling servers (embeddings, scores) answer with a Starlette ``JSONResponse``;
-    the replica relays its JSON body (an error's carries its status in ``error.code``)."""
+def json_error(status: int, message: str, err_type: str, param: str | None = None) -> bytes:
+    """An OpenAI-style error body (vLLM's ``ErrorResponse``)."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
 
-    async def create(request: Any) -> dict[str, Any]:
-        response = await serving(request)
-        if not hasattr(response, "body"):
-            raise TypeError(f"{type(response).__name__} is not a JSON response")
-        return json.loads(response.body)
+    info = ErrorInfo(message=message, type=err_type, param=param, code=status)
+    return json.dumps(ErrorResponse(error=info).model_dump()).encode()
 
-    return create
+
+def own_failure(start: HTTPStart) -> bool:
+    """Whether a failed answer is the request's own ``GenerationError`` (its device step
+    raised: finish reason ``error``), which a retry would only repeat on another replica."""
+    from vllm.exceptions import GenerationError
+
+    marker = f'"message":"{GenerationError().args[0]}"'.replace(" ", "").encode()
+    return marker in start.body.replace(b" ", b"")
+
+
+def failed(start: HTTPStart) -> bool:
+    """An error answer: a 5xx/4xx status, or a stream whose first event is an error."""
+    head = start.body.lstrip()[:64]
+    return (
+        start.status >= 400
+        or head.startswith(b'data: {"error"')
+        or head.startswith(b"event: error")
+    )
 
 
 class LLMServer:
@@ -114,11 +131,13 @@ class LLMServer:
     """
 
     async def __init__(self, cfg: dict[str, Any], limits: dict[str, Any] | None = None) -> None:
+        import types
+
         import ray
         from ray import serve
-        from starlette.datastructures import State
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.app import build_app
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
@@ -136,11 +155,16 @@ class LLMServer:
         ensure_runtime()
         self.cfg = ModelDeploymentConfig.model_validate(cfg)
         self._dying: asyncio.Task | None = None
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
         # The replica tag of this engine's device metrics: the engine core process inherits
         # it, the Ray executor forwards it to the worker actors (envs.FORWARDED).
-        os.environ["RBLN_RAY_REPLICA"] = serve.get_replica_context().replica_id.unique_id
+        os.environ["RBLN_RAY_REPLICA"] = self.replica_id
         # A media URL is fetched only from an allowed domain; a redirect could leave it.
         os.environ.setdefault("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "0")
+        for name in UNSET_ENV:
+            os.environ.pop(name, None)
+        if self.cfg.responses_store:  # read by vLLM's OpenAIServingResponses
+            os.environ["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
         limits_cfg = RequestLimits.model_validate(limits or {})
         os.environ.update(replica_env(limits_cfg))  # vLLM's audio decode cap: the app's
         args = engine_namespace(self.cfg, resolve_model_path(self.cfg.model), limits_cfg)
@@ -156,61 +180,105 @@ class LLMServer:
             # this node), tagged with this replica, instead of this process's own registry.
             stat_loggers=[RayPrometheusStatLogger],
         )
-        self.state = State()
         tasks = await self.engine.get_supported_tasks()
         self.tasks = tuple(tasks)
-        await init_app_state(self.engine, self.state, args, tasks)
+        # vLLM's own app, as `vllm serve` builds it, on this replica's engine.
+        self.app = build_app(args, tasks, self.engine.model_config)
+        await init_app_state(self.engine, self.app.state, args, tasks)
+        # vLLM's engine-error handler tells its HTTP server to exit through this; here the
+        # replica takes itself down instead (http()).
+        self.app.state.server = types.SimpleNamespace(should_exit=False)
+        self.state = self.app.state
+        await self.engine.reset_mm_cache()  # as vllm serve does once its engine is up
         if self.cfg.warm_up and "generate" in self.tasks:
             sizes = compiled_artifact(vllm_config).decoder_batch_sizes
             await warm_up(self.state, self.engine, self.cfg.name, sizes)
+        await self._warm_app()
         logger.info("model %s ready in replica pid %d", self.cfg.name, os.getpid())
 
-    async def _serve(self, create: Any, request: Any) -> AsyncIterator[Any]:
-        """Run a vLLM serving call and relay its result (see module docstring).
+    async def _warm_app(self) -> None:
+        """One call through vLLM's app (its middleware stack is built on first use)."""
+        body = json.dumps({"model": self.cfg.name, "prompt": "warm-up"}).encode()
+        call = HTTPCall("POST", "/tokenize", headers=((b"content-type", b"application/json"),),
+                        body=body)  # fmt: skip
+        async for _ in self.http(call):
+            pass
 
-        Request errors vLLM raises instead of returning (e.g. a negative ``max_tokens``) become
-        the same 4xx ``ErrorResponse`` vLLM's HTTP server would send. When the engine is dead
-        and nothing of this response has been yielded yet, the replica dies instead of
-        answering (class docstring), so the ingress can retry elsewhere; a stream already under
-        way ends with vLLM's own error event. A request the engine itself finished with an
-        error (its device step raised: finish reason ``error``, vLLM's ``GenerationError``)
-        gets that 500 even when the engine died of it right after: retried, it would take a
-        second replica down.
-        """
-        from vllm.entrypoints.serve.exception_handling.error_response import (
-            create_error_response,
+    def _unserved(self, call: HTTPCall) -> HTTPStart | None:
+        """A 404 naming what this model serves when vLLM's app has no route for the call
+        (a decoder asked for embeddings, an encoder for a completion): the status
+        ``vllm serve`` of this model answers, with a message that says why."""
+        from starlette.routing import Match
+
+        from rbln_ray.serve.asgi_call import scope_of
+        from rbln_ray.serve.routes import flatten
+
+        scope = scope_of(call)
+        for route in flatten(self.app.router.routes):
+            match, _ = route.matches(scope)
+            if match is not Match.NONE:
+                return None
+        tasks = ", ".join(self.tasks)
+        message = (
+            f"model {self.cfg.name!r} does not serve {call.method} {call.path} (its tasks: {tasks})"
         )
-        from vllm.exceptions import GenerationError, VLLMClientError
+        headers = ((b"content-type", b"application/json"),)
+        return HTTPStart(404, headers, json_error(404, message, "NotFoundError"), False)
 
+    def _stamp_response_id(self, call: HTTPCall) -> HTTPCall:
+        """A Responses API request gets an id that routes back here (stored responses live
+        in this replica: rbln_ray.serve.http_call.new_response_id), unless it has one."""
+        from dataclasses import replace
+
+        from rbln_ray.serve.http_call import new_response_id
+
+        if not (
+            self.cfg.responses_store and call.method == "POST" and call.path in RESPONSES_ROUTES
+        ):
+            return call
         try:
-            result = await create(request)
-        except GenerationError as exc:
-            yield create_error_response(exc).model_dump()
+            body = json.loads(call.body)
+        except ValueError:
+            return call  # vLLM answers it
+        if not isinstance(body, dict) or body.get("request_id"):
+            return call
+        body["request_id"] = new_response_id(self.cfg.name, self.replica_id)
+        return replace(call, body=json.dumps(body).encode())
+
+    async def http(self, call: HTTPCall) -> AsyncIterator[HTTPStart | bytes]:
+        """Answer one HTTP request with vLLM's app: an :class:`HTTPStart`, then body chunks.
+
+        When the engine is dead and nothing of the answer has been yielded yet, the replica
+        dies instead of answering (class docstring), so the ingress can retry elsewhere; a
+        stream already under way ends with vLLM's own error event. A request the engine
+        itself finished with an error (its device step raised: finish reason ``error``,
+        vLLM's ``GenerationError``) gets that 500 even when the engine died of it right
+        after: retried, it would take a second replica down.
+        """
+        from rbln_ray.serve.asgi_call import run
+
+        unserved = self._unserved(call)
+        if unserved is not None:
+            yield unserved
             return
-        except (VLLMClientError, ValueError, TypeError, OverflowError) as exc:
-            if not self.engine.errored:
-                yield create_error_response(exc).model_dump()
-                return
-            await self._die(exc)
-        except Exception as exc:
-            if self.engine.errored:
-                await self._die(exc)
-            raise
-        if hasattr(result, "model_dump") or isinstance(result, dict):
-            # a full response or an ErrorResponse (a pooling server's JSON body: a dict)
-            body = result if isinstance(result, dict) else result.model_dump()
-            if "error" in body and self.engine.errored:
-                await self._die(RuntimeError(body["error"].get("message")))
-            yield body
-            return
-        started = False
-        own_failure = f'"message":"{GenerationError().args[0]}"'  # this request's own error
-        async for chunk in result:
-            dead = self.engine.errored and chunk.startswith('data: {"error"')
-            if not started and dead and own_failure not in chunk.replace(" ", ""):
-                await self._die(RuntimeError(chunk.strip()))
-            started = True
-            yield chunk
+        stream = run(self.app, self._stamp_response_id(call))
+        try:
+            try:
+                first = await stream.__anext__()
+            except Exception as exc:
+                if self._engine_dead():
+                    await self._die(exc)
+                raise
+            if self._engine_dead() and failed(first) and not own_failure(first):
+                await self._die(RuntimeError(first.body[:300].decode(errors="replace")))
+            yield first
+            async for chunk in stream:
+                yield chunk
+        finally:
+            await stream.aclose()
+
+    def _engine_dead(self) -> bool:
+        return bool(self.engine.errored or self.app.state.server.should_exit)
 
     async def _die(self, cause: BaseException) -> None:
         """Take this replica down because its engine is dead; never returns normally.
@@ -245,54 +313,8 @@ class LLMServer:
             logger.debug("engine shutdown after its death failed", exc_info=True)
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
-    async def completions(self, request: Any) -> AsyncIterator[Any]:
-        async for item in self._route("openai_serving_completion", "create_completion", request):
-            yield item
-
-    async def chat(self, request: Any) -> AsyncIterator[Any]:
-        async for item in self._route("openai_serving_chat", "create_chat_completion", request):
-            yield item
-
-    async def embeddings(self, request: Any) -> AsyncIterator[Any]:
-        async for item in self._route("serving_embedding", None, request):
-            yield item
-
-    async def score(self, request: Any) -> AsyncIterator[Any]:
-        """``/v1/score`` and ``/v1/rerank``: vLLM's ``ServingScores`` takes both."""
-        async for item in self._route("serving_scores", None, request):
-            yield item
-
-    async def transcriptions(self, upload: Any) -> AsyncIterator[Any]:
-        """``/v1/audio/transcriptions`` (an ``rbln_ray.serve.audio.AudioUpload``)."""
-        from rbln_ray.serve.audio import serve_upload
-
-        async for item in serve_upload(self, upload):
-            yield item
-
-    async def translations(self, upload: Any) -> AsyncIterator[Any]:
-        """``/v1/audio/translations``."""
-        async for item in self.transcriptions(upload):  # the upload names its task
-            yield item
-
-    async def _route(self, handler: str, method: str | None, request: Any) -> AsyncIterator[Any]:
-        """Run vLLM's serving object ``handler`` (its ``method``, or the pooling servers'
-        ``__call__``), or a 400 naming what this model serves when it has no such object (a
-        text model asked for embeddings, an encoder asked for a completion)."""
-        serving = getattr(self.state, handler, None)
-        if serving is None:
-            from vllm.entrypoints.serve.exception_handling.error_response import (
-                create_error_response,
-            )
-
-            tasks = ", ".join(self.tasks)
-            message = f"model {self.cfg.name!r} does not serve this endpoint (its tasks: {tasks})"
-            yield create_error_response(message).model_dump()
-            return
-        create = getattr(serving, method) if method else _json_body(serving)
-        async for item in self._serve(create, request):
-            yield item
-
     async def models(self) -> dict[str, Any]:
+        """The model's ``/v1/models`` list (vLLM's ``ModelList``)."""
         return (await self.state.openai_serving_models.show_available_models()).model_dump()
 
     async def check_health(self) -> None:

@@ -66,6 +66,51 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         "rbln_ray/serve/media_policy.py (content_part)",
         params=("part",),
     ),
+    # vLLM's HTTP server, run in each replica and cloned by the ingress (rbln_ray/serve):
+    # not underscore-private, but not a documented API either.
+    Requirement(
+        "vllm.entrypoints.launchers.app:build_app",
+        "rbln_ray/serve/server.py, routes.py",
+        params=("args", "supported_tasks", "model_config"),
+    ),
+    Requirement(
+        "vllm.entrypoints.launchers.api_server.app_state:init_app_state",
+        "rbln_ray/serve/server.py",
+        params=("engine_client", "state", "args", "supported_tasks"),
+    ),
+    Requirement(
+        "vllm.entrypoints.launchers.cli_args:validate_parsed_serve_args",
+        "rbln_ray/serve/vllm_args.py",
+        params=("args",),
+    ),
+    Requirement(
+        "vllm.entrypoints.serve.exception_handling.register:init_exception_handler",
+        "rbln_ray/serve/ingress.py",
+        params=("app",),
+    ),
+    Requirement(
+        "vllm.entrypoints.serve.exception_handling.handlers.http:http_exception_handler",
+        "rbln_ray/serve/ingress.py",
+        params=("req", "exc"),
+    ),
+    Requirement(  # what routes._PoolingConfigStub stands for
+        "vllm.entrypoints.pooling.utils:enable_scoring_api",
+        "rbln_ray/serve/routes.py (_PoolingConfigStub)",
+        "source mentions",
+        ("model_config.get_pooling_task(supported_tasks)", "model_config.hf_config"),
+    ),
+    Requirement(
+        "vllm.entrypoints.pooling.factories:register_pooling_api_routers",
+        "rbln_ray/serve/routes.py (_PoolingConfigStub)",
+        "source mentions",
+        ("model_config.get_pooling_task(supported_tasks)",),
+    ),
+    Requirement(  # vLLM reads app.state.server.should_exit's owner when its engine dies
+        "vllm.entrypoints.launchers.launcher:terminate_if_errored",
+        "rbln_ray/serve/server.py (app.state.server)",
+        "source mentions",
+        ("server.should_exit = True",),
+    ),
     Requirement(f"{INPUT_BATCH}.token_ids_cpu", f"{RUNNER_PY} (record)", "instance attribute"),
     Requirement(f"{INPUT_BATCH}.is_token_ids", f"{RUNNER_PY} (record)", "instance attribute"),
     Requirement(f"{INPUT_BATCH}.num_tokens_no_spec", f"{RUNNER_PY} (record)", "instance attribute"),

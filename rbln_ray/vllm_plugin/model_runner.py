@@ -160,7 +160,11 @@ class RBLNModelRunner:
             block_sizes=[block_size],
             kernel_block_sizes=[block_size],
             max_num_blocks_per_req=[-(-model_config.max_model_len // block_size)],
-            logitsprocs=build_logitsprocs(vllm_config, self.device, False, False, ()),
+            # vLLM's built-in processors plus the engine's --logits-processors, as vLLM's
+            # own runners build them (custom ones see each request's output token ids).
+            logitsprocs=build_logitsprocs(
+                vllm_config, self.device, False, False, model_config.logits_processors or ()
+            ),
             is_pooling_model=False,
         )
         self.sampler = Sampler(logprobs_mode=model_config.logprobs_mode)

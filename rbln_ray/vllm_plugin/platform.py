@@ -499,7 +499,12 @@ class RBLNPlatform(CpuPlatform):
     def validate_request(cls, processed_inputs, params) -> None:
         """Reject what the compiled graphs cannot compute, with a message naming it."""
         if getattr(params, "prompt_logprobs", None) is not None:
-            raise ValueError(
-                "prompt_logprobs is not supported on RBLN: the compiled prefill graph returns "
-                "logits for the last prompt token only"
+            from vllm.exceptions import VLLMValidationError
+
+            # A client error (400): vLLM's engine turns any other exception raised here
+            # into an EngineGenerateError, a 500 with no message.
+            raise VLLMValidationError(
+                "prompt_logprobs (and echo with logprobs) is not supported on RBLN: the "
+                "compiled prefill graph returns logits for the last prompt token only",
+                parameter="prompt_logprobs",
             )

@@ -85,7 +85,8 @@ def demo_app() -> Iterator[RunningApp]:
         # a request may resize Qwen2-VL's images (test_an_image_beyond_the_compiled_tower...)
         "limits": {"allowed_mm_processor_kwargs": ["min_pixels", "max_pixels"]},
         "models": [
-            {"name": "demo", "model": str(compiled), "num_replicas": 2},
+            # stored Responses API responses: calls about one go to its replica
+            {"name": "demo", "model": str(compiled), "num_replicas": 2, "responses_store": True},
             {"name": "qwen", "model": str(compiled_model("qwen2")), "num_replicas": 1},
             {"name": "embed", "model": str(compiled_encoder()), "num_replicas": 1},
             {"name": "vision", "model": str(compiled_vlm()), "num_replicas": 1},

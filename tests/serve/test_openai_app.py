@@ -195,8 +195,12 @@ def test_client_handles_stream_from_another_process(demo_app: RunningApp) -> Non
         "deltas = list(c.stream('import os\\n', max_tokens=16, temperature=0))\n"
         "full = c.complete('import os\\n', max_tokens=16, temperature=0)\n"
         "chat = c.chat([{'role': 'user', 'content': 'hi'}], max_tokens=8, temperature=0)\n"
+        "ids = c.tokenize('import os\\n')\n"
+        "made = c.responses('import os', max_output_tokens=4, temperature=0, store=True)\n"
+        "kept = c.request('GET', '/v1/responses/' + made['id'])\n"
         "print('RESULT ' + json.dumps({'deltas': deltas, 'text': full.text,"
-        " 'finish': full.finish_reason, 'chat': chat.text}))\n"
+        " 'finish': full.finish_reason, 'chat': chat.text, 'ids': ids,"
+        " 'made': made['output'], 'kept': kept['output']}))\n"
     )
     result, _ = run_python(["-c", script, demo_app.gcs_address], timeout=300)
     assert result is not None
@@ -205,6 +209,101 @@ def test_client_handles_stream_from_another_process(demo_app: RunningApp) -> Non
     assert len(result["deltas"]) > 1, "tokens were not streamed"
     assert "".join(result["deltas"]) == expected == result["text"]
     assert result["finish"] == "length" and result["chat"]
+    assert result["ids"] == tok("import os\n")["input_ids"]  # any route: /tokenize
+    assert result["kept"] == result["made"]  # a stored response, from its replica
+
+
+def test_stored_responses_are_served_by_the_replica_that_made_them(
+    demo_app: RunningApp,
+) -> None:
+    """The Responses API's store lives in each replica's vLLM: 12 stored responses made on
+    the demo model's 2 replicas are each retrieved, and continued by
+    ``previous_response_id``, from the replica holding it (their ids say which; without
+    that routing about half would be 404s)."""
+    import openai
+
+    from rbln_ray.serve.http_call import parse_response_id
+
+    client = openai.OpenAI(base_url=f"{demo_app.url}/v1", api_key=API_KEY, max_retries=0)
+
+    def create(i: int):
+        return client.responses.create(
+            model="demo", input=f"def f{i}(x):", max_output_tokens=8, temperature=0, store=True
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        created = list(pool.map(create, range(12)))
+    replicas = {parse_response_id(r.id)[1] for r in created}
+    assert len(replicas) == 2, [r.id for r in created]
+    for response in created:
+        kept = client.responses.retrieve(response.id)
+        assert kept.status == response.status and kept.output_text == response.output_text
+    follow = client.responses.create(
+        model="demo", input="and", previous_response_id=created[0].id, max_output_tokens=4
+    )
+    assert follow.output and follow.previous_response_id == created[0].id
+
+
+def test_vllms_other_routes_are_served_or_refused_with_a_reason(demo_app: RunningApp) -> None:
+    """Beyond completions and chat, the app answers vLLM's tokenizer, pooling, rerank and
+    meta routes for the model a request names, and refuses engine control, metrics and
+    runtime LoRA with a 404 that says why."""
+    from transformers import AutoTokenizer
+    from vllm import __version__ as vllm_version
+
+    from rbln_ray.models import build_tiny_model
+    from tests.embeddings import QUERY, TEXTS
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{demo_app.url}{path}", json=body, headers=AUTH, timeout=120)
+
+    def get(path: str) -> httpx.Response:
+        return httpx.get(f"{demo_app.url}{path}", headers=AUTH, timeout=60)
+
+    tok = AutoTokenizer.from_pretrained(build_tiny_model(family="qwen2"))
+    ids = post("/tokenize", {"model": "qwen", "prompt": "def f():"}).json()["tokens"]
+    assert ids == tok("def f():")["input_ids"]
+    back = post("/detokenize", {"model": "qwen", "tokens": ids}).json()["prompt"]
+    assert back == "def f():"
+    info = get("/tokenizer_info?model=embed")
+    assert info.status_code == 200 and info.json()["tokenizer_class"], info.text
+    several = get("/tokenizer_info")  # five models: which one?
+    assert several.status_code == 400 and "served models" in several.json()["error"]["message"]
+    assert get("/version").json() == {"version": vllm_version}
+    assert get("/v1/models/embed").json()["id"] == "embed"
+    assert get("/v1/models/gpt-9").status_code == 404
+
+    pooled = post("/pooling", {"model": "embed", "input": TEXTS[:2]})
+    assert pooled.status_code == 200 and len(pooled.json()["data"]) == 2, pooled.text
+    reranked = post("/v2/rerank", {"model": "embed", "query": QUERY, "documents": TEXTS})
+    scores = post("/v1/score", {"model": "embed", "text_1": QUERY, "text_2": TEXTS}).json()
+    want = {d["index"]: d["score"] for d in scores["data"]}
+    got = {d["index"]: d["relevance_score"] for d in reranked.json()["results"]}
+    assert got.keys() == want.keys() and all(abs(got[i] - want[i]) < 1e-5 for i in got)
+    raw = post("/v1/embeddings", {"model": "embed", "input": "x", "encoding_format": "bytes"})
+    assert raw.status_code == 200 and raw.headers["content-type"] == "application/octet-stream"
+    assert len(raw.content) == 128 * 4, len(raw.content)  # one float32 vector
+
+    refusals = {
+        "/sleep": "engine control",
+        "/collective_rpc": "engine control",
+        "/v1/load_lora_adapter": "LoRA",
+        "/reset_prefix_cache": "engine control",
+    }
+    for path, needle in refusals.items():
+        refused = post(path, {})
+        assert refused.status_code == 404, refused.text
+        assert needle in refused.json()["error"]["message"], refused.text
+    assert get("/metrics").status_code == 404
+
+    # Anthropic's SDK authenticates with x-api-key
+    message = httpx.post(
+        f"{demo_app.url}/v1/messages",
+        json={"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
+        headers={"x-api-key": API_KEY},
+        timeout=120,
+    )
+    assert message.status_code == 200 and message.json()["type"] == "message", message.text
 
 
 def test_ray_metrics_carry_engine_and_device_series_per_replica(demo_app: RunningApp) -> None:
@@ -278,23 +377,25 @@ def test_embeddings_and_scores_beside_chat_match_vllm_cpu(demo_app: RunningApp) 
 
 
 @pytest.mark.parametrize(
-    ("path", "body", "needle"),
+    ("path", "body", "status", "needle"),
     [
-        ("/v1/embeddings", {"model": "embed", "input": "x " * 400}, "128"),
-        ("/v1/embeddings", {"model": "embed", "input": []}, "prompt"),
-        ("/v1/embeddings", {"model": "embed", "input": "x", "encoding_format": "bytes"}, "float"),
-        ("/v1/embeddings", {"model": "demo", "input": "x"}, "does not serve"),
-        ("/v1/completions", {"model": "embed", "prompt": "x", "max_tokens": 2}, "does not serve"),
-        ("/v1/score", {"model": "embed", "text_1": "x"}, "text_2"),
+        ("/v1/embeddings", {"model": "embed", "input": "x " * 400}, 400, "128"),
+        ("/v1/embeddings", {"model": "embed", "input": []}, 400, "prompt"),
+        # a route the model's vLLM app does not have: 404 as from `vllm serve` of it
+        ("/v1/embeddings", {"model": "demo", "input": "x"}, 404, "does not serve"),
+        ("/v1/completions", {"model": "embed", "prompt": "x", "max_tokens": 2}, 404,
+         "does not serve"),
+        ("/classify", {"model": "embed", "input": "x"}, 404, "its tasks: embed"),
+        ("/v1/score", {"model": "embed", "text_1": "x"}, 400, "text_2"),
     ],
-)
+)  # fmt: skip
 def test_bad_pooling_input_gets_openai_style_4xx(
-    demo_app: RunningApp, path: str, body: dict, needle: str
+    demo_app: RunningApp, path: str, body: dict, status: int, needle: str
 ) -> None:
     r = httpx.post(f"{demo_app.url}{path}", json=body, headers=AUTH, timeout=60)
-    assert r.status_code == 400, r.text
+    assert r.status_code == status, r.text
     error = r.json()["error"]
-    assert error["code"] == 400 and error["type"]
+    assert error["code"] == status and error["type"]
     assert needle.lower() in error["message"].lower(), error["message"]
     ok = httpx.post(
         f"{demo_app.url}/v1/embeddings",
@@ -384,7 +485,7 @@ def _png_data_url(width: int, height: int) -> str:
 @pytest.mark.parametrize(
     ("model", "url", "status", "needle"),
     [
-        ("demo", "tiny", 400, "does not accept image"),
+        ("demo", "tiny", 400, "does not accept image inputs"),
         ("vision", "https://example.com/cat.png", 400, "data: urls"),
         ("vision", "data:image/png;base64,@@not-base64@@", 400, "base64"),
         ("vision", "data:image/png;base64,aGVsbG8gd29ybGQ=", 400, "cannot be decoded"),
@@ -485,6 +586,8 @@ def test_no_content_part_makes_a_replica_fetch_a_url(demo_app: RunningApp, recor
     from ray import serve
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
+    from rbln_ray.serve.http_call import HTTPCall
+
     base, hits = recording_server
     parts = [
         {"type": "image_url", "image_url": {"url": f"{base}/typed.png"}},
@@ -509,15 +612,22 @@ def test_no_content_part_makes_a_replica_fetch_a_url(demo_app: RunningApp, recor
         }
     )
     handle = serve.get_deployment_handle("LLMServer:qwen-vl", "rbln-ray").options(stream=True)
-    answers = list(handle.chat.remote(direct))
-    assert len(answers) == 1 and "error" in answers[0], answers
-    assert "allowed domains" in answers[0]["error"]["message"], answers[0]
+    call = HTTPCall(
+        "POST",
+        "/v1/chat/completions",
+        headers=((b"content-type", b"application/json"),),
+        body=direct.model_dump_json(exclude_unset=True).encode(),
+    )
+    start, *rest = list(handle.http.remote(call))
+    error = json.loads(start.body + b"".join(rest))["error"]
+    assert start.status == 400 and "allowed domains" in error["message"], error
     assert hits == []
 
 
 def test_audio_to_text_models_is_refused_at_the_ingress(demo_app: RunningApp) -> None:
-    """A transcription asked of a chat model, and audio in a chat message to a text model:
-    400s with OpenAI-style bodies naming the problem (no speech model in this app)."""
+    """A transcription asked of a chat model (a 404 naming its tasks: its vLLM app has no
+    such route, as `vllm serve` of it), and audio in a chat message to a text model (a
+    400): OpenAI-style bodies naming the problem (no speech model in this app)."""
     import base64
 
     from rbln_ray.models.speech import tone_clip, wav_bytes
@@ -530,8 +640,8 @@ def test_audio_to_text_models_is_refused_at_the_ingress(demo_app: RunningApp) ->
         headers=AUTH,
         timeout=60,
     )
-    assert r.status_code == 400, r.text
-    assert "does not serve /v1/audio/transcriptions" in r.json()["error"]["message"]
+    assert r.status_code == 404, r.text
+    assert "does not serve POST /v1/audio/transcriptions" in r.json()["error"]["message"]
     audio = {"data": base64.b64encode(wav).decode(), "format": "wav"}
     content = [{"type": "input_audio", "input_audio": audio}, {"type": "text", "text": "?"}]
     body = {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 2}

@@ -1,10 +1,13 @@
-"""What the ingress refuses of a speech-to-text upload, before any replica (no Ray, no
-engine): the form, the model, and the audio's header."""
+"""Speech-to-text uploads at the ingress (no Ray, no engine): what it refuses before any
+replica (the form, the model, the audio's header), and what it relays (the body as it came,
+to vLLM's own route in the replica; its stream as vLLM streams it)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import struct
+import types
 import wave
 from io import BytesIO
 
@@ -13,11 +16,10 @@ import numpy as np
 import pytest
 
 from rbln_ray.models.speech import tone_clip, wav_bytes
-from rbln_ray.serve.audio import AudioUpload, check_audio, parse_upload
+from rbln_ray.serve.audio import check_audio
 from rbln_ray.serve.config import RequestLimits
 
 LIMITS = RequestLimits(max_request_bytes=1 << 22, max_audio_seconds=20)
-MODELS = ["demo", "whisper"]
 
 
 def wav_with_codec(tag: int, seconds: float = 1.0) -> bytes:
@@ -92,84 +94,140 @@ def test_audio_within_the_limit_passes(data: bytes) -> None:
     assert check_audio(data, LIMITS) is None
 
 
-class _Request:
-    """What parse_upload reads of a Starlette request: headers, the ASGI scope, the body."""
+# ------------------------------------------------------------------ through the ingress
+class StubTranscription:
+    """vLLM's speech-to-text serving object in the replica, reduced to what the tests look
+    at: the audio bytes and the request vLLM's route parsed from the relayed form."""
 
-    def __init__(self, files: dict | None, data: dict | None, json: dict | None = None) -> None:
-        built = httpx.Request(
-            "POST", "http://x/v1/audio/transcriptions", files=files, data=data, json=json
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    async def create_transcription(self, audio_data, request, raw_request=None):
+        from vllm.entrypoints.speech_to_text.transcription.protocol import (
+            TranscriptionResponse,
+            TranscriptionUsageAudio,
         )
-        self.body = built.read()
-        self.headers = {k.lower(): v for k, v in built.headers.items()}
-        self.scope = {
-            "type": "http",
-            "method": "POST",
-            "path": "/v1/audio/transcriptions",
-            "headers": [(k.encode(), v.encode()) for k, v in self.headers.items()],
-        }
 
-    async def stream(self):
-        yield self.body
+        self.seen.append((audio_data, request))
+        if request.stream:
+            return self._events()
+        text = f"{len(audio_data)} bytes in {request.language}"
+        return TranscriptionResponse(text=text, usage=TranscriptionUsageAudio(seconds=1))
+
+    async def create_translation(self, audio_data, request, raw_request=None):
+        from vllm.entrypoints.speech_to_text.translation.protocol import TranslationResponse
+
+        self.seen.append((audio_data, request))
+        return TranslationResponse(text=f"{len(audio_data)} bytes from {request.language}")
+
+    async def _events(self):
+        for word in ("one", "two"):
+            yield f"data: {json.dumps({'choices': [{'delta': {'content': word}}]})}\n\n"
+        yield "data: [DONE]\n\n"
 
 
-def parse(files: dict | None, data: dict | None = None, speech=("whisper",), **kw) -> object:
-    request = _Request(files, data, **kw)
-    return asyncio.run(parse_upload(request, "transcription", LIMITS, MODELS, list(speech)))
+@pytest.fixture(scope="module")
+def speech_ingress():
+    """The ingress in front of a fake handle of model "whisper", whose replica is vLLM's app
+    of a transcribing model with a stub serving object (no engine)."""
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from rbln_ray.serve.ingress import OpenAIIngress, build_ingress_app
+    from tests.unit.test_http_routes import KEY, FakeServer
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "whisper"])
+    replica = build_app(args, ("generate", "transcription"), None)
+    stub = StubTranscription()
+    replica.state.openai_serving_transcription = stub
+    replica.state.openai_serving_translation = stub
+    replica.state.server = types.SimpleNamespace(should_exit=False)
+    servers = {"whisper": FakeServer("whisper", replica)}
+    ingress = OpenAIIngress.__new__(OpenAIIngress)
+    ingress.configure(servers, KEY, LIMITS, {}, [], "app")
+    return build_ingress_app(ingress), servers["whisper"], stub
+
+
+def upload(app, path: str, files, data) -> httpx.Response:
+    from tests.unit.test_http_routes import KEY
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
+            auth = {"Authorization": f"Bearer {KEY}"}
+            return await client.post(path, files=files, data=data, headers=auth)
+
+    return asyncio.run(go())
 
 
 WAV = wav_bytes(tone_clip(1.0, 440))
 
 
-def test_a_valid_upload_names_its_model_and_keeps_the_form() -> None:
-    got = parse(
-        {"file": ("a.wav", WAV, "audio/wav")},
-        {
-            "language": "en",
-            "response_format": "verbose_json",
-            "timestamp_granularities[]": "segment",
-        },
+@pytest.mark.parametrize("path", ["/v1/audio/transcriptions", "/v1/audio/translations"])
+def test_an_upload_is_relayed_byte_for_byte_to_the_model_it_names(speech_ingress, path) -> None:
+    app, server, stub = speech_ingress
+    files = {"file": ("a.wav", WAV, "audio/wav")}
+    r = upload(app, path, files, {"model": "whisper", "language": "en"})
+    assert r.status_code == 200, r.text
+    assert r.json()["text"].startswith(f"{len(WAV)} bytes ")  # vLLM's route parsed the form
+    assert stub.seen[-1][1].language == "en"
+    call = server.calls[-1]
+    assert call.path == path and dict(call.headers)[b"content-type"].startswith(
+        b"multipart/form-data; boundary="
     )
-    assert isinstance(got, AudioUpload) and got.model == "whisper"  # the only speech model
-    assert got.audio == WAV and got.filename == "a.wav" and got.task == "transcription"
-    assert got.fields["language"] == "en" and got.fields["timestamp_granularities[]"] == ["segment"]
+    assert WAV in call.body and stub.seen[-1][0] == WAV
+
+
+def test_a_streamed_transcription_is_relayed_as_vllm_streams_it(speech_ingress) -> None:
+    app, _, _ = speech_ingress
+    files = {"file": ("a.wav", WAV, "audio/wav")}
+    r = upload(app, "/v1/audio/transcriptions", files, {"model": "whisper", "stream": "true"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert [json.loads(e)["choices"][0]["delta"]["content"] for e in events[:-1]] == ["one", "two"]
 
 
 @pytest.mark.parametrize(
-    ("files", "data", "speech", "status", "needle"),
+    ("files", "data", "status", "needle"),
     [
-        ({"file": ("a.wav", WAV)}, {"model": "demo"}, ("whisper",), 400, "does not serve"),
-        ({"file": ("a.wav", WAV)}, {"model": "nope"}, ("whisper",), 404, "does not exist"),
-        ({"file": ("a.wav", WAV)}, {}, ("whisper", "w2"), 400, "model: field required"),
-        (
-            {"file": ("a.wav", WAV)},
-            {"response_format": "yaml"},
-            ("whisper",),
-            400,
-            "response_format",
-        ),
-        (None, {"model": "whisper"}, ("whisper",), 400, "file"),
-        ({"file": ("a.txt", b"not audio at all" * 8)}, {}, ("whisper",), 400, "not audio"),
+        ({"file": ("a.wav", WAV)}, {"model": "nope"}, 404, "does not exist"),
+        ({"file": ("a.wav", WAV)}, {}, 400, "model: field required"),
+        ({"file": ("a.wav", WAV)}, {"model": "whisper", "response_format": "yaml"}, 400,
+         "response_format"),
+        (None, {"model": "whisper"}, 400, "file"),
+        ({"file": ("a.txt", b"not audio at all" * 8)}, {"model": "whisper"}, 400, "not audio"),
+        ({"file": ("a.wav", wav_bytes(tone_clip(21.0, 440)))}, {"model": "whisper"}, 400,
+         "max_audio_seconds"),
+        ({"file": ("a.wav", b"\0" * (LIMITS.max_request_bytes + 1))}, {"model": "whisper"}, 413,
+         "exceeds"),
     ],
-    ids=["chat-model", "unknown-model", "ambiguous-model", "bad-field", "no-file", "not-audio"],
-)
-def test_bad_uploads_are_refused_at_the_ingress(files, data, speech, status, needle) -> None:
-    got = parse(files, data, speech=speech)
-    assert isinstance(got, tuple) and got[0] == status and needle in got[1], got
+    ids=["unknown-model", "no-model", "bad-field", "no-file", "not-audio", "too-long",
+         "too-big"],
+)  # fmt: skip
+def test_bad_uploads_are_refused_before_any_replica(speech_ingress, files, data, status,
+                                                    needle) -> None:  # fmt: skip
+    app, server, _ = speech_ingress
+    before = len(server.calls)
+    r = upload(app, "/v1/audio/transcriptions", files, data)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status and needle in error["message"], error
+    assert len(server.calls) == before
 
 
-def test_a_json_body_is_not_an_upload() -> None:
-    status, message = parse(None, None, json={"model": "whisper", "file": "x"})
-    assert status == 400 and "multipart/form-data" in message
+def test_a_json_body_is_not_an_upload(speech_ingress) -> None:
+    from tests.unit.test_http_routes import KEY, post
 
-
-def test_a_body_over_the_cap_is_a_413() -> None:
-    small = RequestLimits(max_request_bytes=4096)
-    request = _Request({"file": ("a.wav", WAV)}, {})
-    got = asyncio.run(parse_upload(request, "transcription", small, MODELS, ["whisper"]))
-    assert got[0] == 413 and "4096" in got[1]
+    app, server, _ = speech_ingress
+    before = len(server.calls)
+    r = post(app, "/v1/audio/transcriptions", {"model": "whisper", "file": "x"}, key=KEY)
+    assert r.status_code == 400, r.text
+    assert len(server.calls) == before
 
 
 def test_a_wav_header_is_read_without_decoding_the_samples() -> None:
-    """The duration comes from the header: a WAV that declares 3 s holds 3 s of samples."""
+    """The duration comes from the header: a WAV that declares 1 s holds 1 s of samples."""
     with wave.open(BytesIO(WAV)) as w:
         assert w.getnframes() == 16000

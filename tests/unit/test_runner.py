@@ -238,3 +238,29 @@ def test_the_compiled_length_bounds_a_request(artifact: Path) -> None:
     prompt = list(range(10, 10 + MAX_LEN - 4))
     engine.add("edge", prompt, max_tokens=4)  # fills the compiled max_seq_len exactly
     assert engine.drive()["edge"] == reference(prompt, 4)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_the_engines_custom_logits_processors_run(tmp_path: Path, async_scheduling: bool) -> None:
+    """``--logits-processors`` reach the runner's sampler (vLLM's own runners pass them to
+    ``build_logitsprocs``): the scripted processor forces its request's tokens, then the
+    model continues from them; a request beside it without a script is untouched."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from rbln_ray.models.scripted import QUALNAME
+
+    engine = Engine(
+        write_artifact(tmp_path), async_scheduling=async_scheduling, logits_processors=[QUALNAME]
+    )
+    script = [11, 22, 33, 44, 55]
+    params = SamplingParams(
+        max_tokens=9, ignore_eos=True, temperature=0, extra_args={"rbln_script": script}
+    )
+    engine.scheduler.add_request(
+        Request("scripted", [5, 6], params, None, block_hasher=engine.hasher)
+    )
+    engine.add("free", [5, 6], max_tokens=9)
+    outputs = engine.drive()
+    assert outputs["scripted"] == script + reference([5, 6, *script], 4)
+    assert outputs["free"] == reference([5, 6], 9)

@@ -72,3 +72,32 @@ def test_ingress_outlasts_a_generation_when_replaced(tmp_path) -> None:
     assert ingress_options(custom.ingress)["graceful_shutdown_timeout_s"] == 90
     with pytest.raises(ValidationError):
         load_config({"models": model, "ingress": {"graceful_shutdown_timeout_s": 0}})
+
+
+def test_calls_about_a_stored_response_are_pinned_to_its_replica() -> None:
+    """Both routers send a call naming a replica there (and anywhere when it is gone, where
+    vLLM answers 404); the prefix router otherwise ranks by the call's prefix."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from rbln_ray.serve.http_call import HTTPCall
+    from rbln_ray.serve.routing import PrefixAffinityRouter, ResponseAffinityRouter
+
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=u)) for u in "abc"]
+
+    def pending(call: HTTPCall):
+        return SimpleNamespace(args=[call])
+
+    for cls in (PrefixAffinityRouter, ResponseAffinityRouter):
+        router = object.__new__(cls)  # choose_replicas reads no router state when pinned
+        chosen = asyncio.run(
+            router.choose_replicas(replicas, pending(HTTPCall("GET", "/", replica="b")))
+        )
+        assert chosen == [[replicas[1]]]
+        gone = asyncio.run(
+            router.choose_replicas(replicas, pending(HTTPCall("GET", "/", replica="z")))
+        )
+        assert gone == [replicas]
+    ranked = asyncio.run(object.__new__(PrefixAffinityRouter).choose_replicas(
+        replicas, pending(HTTPCall("POST", "/", prefix="system prompt"))))  # fmt: skip
+    assert [r[0].replica_id.unique_id for r in ranked] == rank("system prompt", ["a", "b", "c"])
