@@ -5,10 +5,12 @@ The routes are vLLM's (:mod:`rbln_ray.serve.routes`): each one the ingress serve
 of vLLM's endpoint (its path, methods, dependencies and request model), so a malformed body
 gets exactly vLLM's 400 before it costs a replica anything. A valid request is routed by its
 ``model`` field and checked against the app's limits (prompts x ``n``, ``max_tokens``,
-media); its body is then forwarded as bytes (:class:`~rbln_ray.serve.http_call.HTTPCall`)
-through a streaming ``DeploymentHandle`` to the model's replica, which runs it through
-vLLM's own app, and the answer is relayed as it comes (JSON, SSE, bytes). A client that
-disconnects cancels the handle call, which aborts the request in the engine.
+media; a multipart upload to ``/v1/audio/*``: its ``model`` form field, and its audio's
+header, :mod:`rbln_ray.serve.audio`); its body is then forwarded as bytes
+(:class:`~rbln_ray.serve.http_call.HTTPCall`) through a streaming ``DeploymentHandle`` to
+the model's replica, which runs it through vLLM's own app, and the answer is relayed as it
+comes (JSON, SSE, bytes). A client that disconnects cancels the handle call, which aborts
+the request in the engine.
 
 Before any route: the API key (``Authorization: Bearer`` or Anthropic's ``x-api-key``), the
 body size cap (413) and the body read deadline (408), in one ASGI middleware, because
