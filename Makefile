@@ -64,7 +64,7 @@ ssh-test-tools:
 	       "sudo apt-get install openssh-server rsync"; \
 	fi
 
-# The speech tests (tests/vllm_plugin/test_speech.py, tests/serve/test_speech_serve.py) send a
+# The speech tests (tests/vllm_plugin/test_speech.py, tests/serve/test_zoo_serve.py) send a
 # sentence spoken by Debian's espeak-ng (a command-line synthesiser, no service), installed
 # from Debian's registry the same way when missing; otherwise says what to install.
 speech-test-tools:
