@@ -14,9 +14,10 @@ PROMETHEUS := $(BIN)/prometheus
 HAPROXY := $(BIN)/haproxy
 HAPROXY_DEBS := haproxy liblua5.3-0 libopentracing-c-wrapper0 libopentracing1
 
-.PHONY: setup install peer-env test test-fast test-smoke lint demo clean ssh-test-tools
+.PHONY: setup install peer-env test test-fast test-smoke lint demo clean ssh-test-tools \
+	speech-test-tools
 
-setup: install $(PEER_STAMP) ssh-test-tools $(PROMETHEUS) $(HAPROXY)
+setup: install $(PEER_STAMP) ssh-test-tools speech-test-tools $(PROMETHEUS) $(HAPROXY)
 
 # What a cluster node needs (the `ray up` configs' setup command): the stack, no test tools.
 install: $(STAMP) $(ALIAS_STAMP)
@@ -64,6 +65,19 @@ ssh-test-tools:
 	else \
 	  echo "note: the ray up test needs openssh-server and rsync:" \
 	       "sudo apt-get install openssh-server rsync"; \
+	fi
+
+# The speech tests (tests/vllm_plugin/test_speech.py, tests/serve/test_zoo_serve.py) send a
+# sentence spoken by Debian's espeak-ng (a command-line synthesiser, no service), installed
+# from Debian's registry the same way when missing; otherwise says what to install.
+speech-test-tools:
+	@if command -v espeak-ng >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y --no-install-recommends espeak-ng || \
+	  { apt-get update && apt-get install -y --no-install-recommends espeak-ng; }; \
+	else \
+	  echo "note: the speech tests need espeak-ng: sudo apt-get install espeak-ng"; \
 	fi
 
 # The Prometheus test (tests/serve/test_cli_serve.py) runs a real Prometheus server: the binary

@@ -38,18 +38,19 @@ UNIT_SECONDS = {
     "tests/serve/test_openai_app.py": 450,
     "tests/pipeline/test_pipeline.py": 310,
     "tests/executor/test_ray_executor.py": 300,
+    "tests/serve/test_zoo_serve.py": 240,  # zoo + speech + pooling: one app (was 2)
     "tests/serve/test_prefix_affinity.py": 300,
     "tests/vllm_plugin/test_zoo_greedy.py": 210,
     "tests/serve/test_cli_serve.py": 200,
     "tests/serve/test_one_replica.py": 190,
-    "tests/serve/test_zoo_serve.py": 180,
     "tests/serve/test_vision_serve.py": 180,
     "tests/test_foundation.py": 150,
     "tests/emulator/test_optimum_e2e.py": 140,
     "tests/vllm_plugin/test_prefix_caching.py": 130,
     "tests/vllm_plugin/test_llm_greedy.py": 100,
     "tests/vllm_plugin/test_vllm_serve.py": 80,
-    "tests/vllm_plugin/test_embeddings.py": 90,
+    "tests/vllm_plugin/test_embeddings.py": 110,
+    "tests/vllm_plugin/test_speech.py": 100,
     "tests/vllm_plugin/test_vision_language.py": 60,
 }
 

@@ -53,12 +53,19 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 def cmd_build_model(args: argparse.Namespace) -> int:
-    from rbln_ray.families.registry import DecoderFamily, EncoderFamily, family
+    from rbln_ray.families.registry import (
+        DecoderFamily,
+        EncoderFamily,
+        PoolingDecoderFamily,
+        SpeechFamily,
+        family,
+    )
     from rbln_ray.models import (
         TinyModelSpec,
         build_tiny_encoder,
         build_tiny_model,
         build_tiny_vlm,
+        build_tiny_whisper,
         demo_model_dir,
     )
 
@@ -75,15 +82,21 @@ def cmd_build_model(args: argparse.Namespace) -> int:
     if isinstance(record, EncoderFamily):
         print(build_tiny_encoder(family=record.name, out_dir=args.out, **shape))
         return 0
+    if isinstance(record, SpeechFamily):  # its own shape (an encoder and a decoder)
+        print(build_tiny_whisper(out_dir=args.out))
+        return 0
     decoder = dict(
         num_kv_heads=args.num_kv_heads,
         max_position_embeddings=args.max_position_embeddings,
         **shape,
     )
-    if isinstance(record, DecoderFamily):
+    if isinstance(record, DecoderFamily | PoolingDecoderFamily):
+        # a decoder-based embedder or reranker is its decoder's checkpoint (vLLM reads a
+        # reranker through the record's hf_overrides)
+        name = record.decoder_family if isinstance(record, PoolingDecoderFamily) else record.name
         moe = dict(num_experts=args.num_experts, experts_per_token=args.experts_per_token)
         path = build_tiny_model(
-            family=record.name,
+            family=name,
             sliding_window=args.sliding_window,
             out_dir=args.out,
             **decoder,
@@ -170,7 +183,8 @@ def parser() -> argparse.ArgumentParser:
 
     b = add_parser(
         "build-model",
-        help="build a local test model: decoder, encoder or vision-language (or train the demo)",
+        help="build a local test model: decoder, encoder, vision-language or speech (or train "
+        "the demo)",
     )
     from rbln_ray.families.registry import FAMILIES
 

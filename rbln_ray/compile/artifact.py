@@ -16,10 +16,13 @@ from rbln_ray.compile.encoders import EncoderArtifact
 from rbln_ray.compile.lora import LoRAInfo
 from rbln_ray.compile.quantization import QuantSpec
 from rbln_ray.compile.spec_graphs import VerifyGraph, read_manifest
+from rbln_ray.compile.speech import SpeechArtifact
 from rbln_ray.families.registry import (
     DecoderFamily,
+    PoolingDecoderFamily,
     encoder_for_dir,
     family_for_config_class,
+    speech_for_dir,
     vision_for_dir,
 )
 
@@ -69,6 +72,10 @@ class CompiledArtifact:
     quantization: QuantSpec | None = None  # quantized weights / KV (compile.quantization)
     # Speculative decoding's verify graphs (rbln_ray.compile.spec_graphs), if compiled.
     verify_graphs: tuple[VerifyGraph, ...] = ()
+    # A decoder compiled for embeddings (rbln_ray.families.registry.PoolingDecoderFamily, e.g.
+    # RBLNQwen3Model: its prefill returns every position's hidden state, it has no decode
+    # graph): the family's name. "" for a causal LM.
+    pooling: str = ""
     # Some layers keep a per-sequence state in one row per compiled batch slot (Qwen3.5's
     # linear attention, optimum's linear_attention_layers): a prefill names the row
     # (batch_idx) and every decode step runs the full batch, device row i on state row i.
@@ -150,7 +157,8 @@ class CompiledArtifact:
             kvcache_num_blocks=int(raw["kvcache_num_blocks"]),
             attn_impl=raw.get("attn_impl", "eager"),
             prefill_chunk_size=int(raw.get("prefill_chunk_size", 128)),
-            decoder_batch_sizes=tuple(sorted(int(b) for b in raw["decoder_batch_sizes"])),
+            # None for an embedder (no decode graph)
+            decoder_batch_sizes=tuple(sorted(int(b) for b in raw["decoder_batch_sizes"] or ())),
             num_devices=int(num_devices),
             use_attention_mask=bool(raw.get("use_attention_mask")),
             requires_batch_sort=bool(raw.get("_requires_batch_sort")),
@@ -165,8 +173,14 @@ class CompiledArtifact:
             lora=LoRAInfo.from_rbln_config(raw.get("lora_config")),
             quantization=QuantSpec.from_rbln_config(raw.get("quantization")),
             verify_graphs=read_manifest(path),
+            pooling=_pooling(raw.get("cls_name", "")),
             state_slots=bool(raw.get("linear_attention_layers")),
         )
+
+
+def _pooling(cls_name: str) -> str:
+    family = family_for_config_class(cls_name)
+    return family.name if isinstance(family, PoolingDecoderFamily) else ""
 
 
 def _prefill_resumable(cls_name: str) -> bool:
@@ -176,12 +190,12 @@ def _prefill_resumable(cls_name: str) -> bool:
 
 # Parsed artifacts of this process, by directory and the version of its config file: the
 # platform, scheduler, executor, worker and Serve builder all ask for the same one.
-_PARSED: dict[tuple[str, int], CompiledArtifact | EncoderArtifact] = {}
+_PARSED: dict[tuple[str, int], CompiledArtifact | EncoderArtifact | SpeechArtifact] = {}
 
 
-def load_artifact(path: str | Path) -> CompiledArtifact | EncoderArtifact:
-    """A compiled directory's artifact, parsed once per process: an encoder's (by its
-    ``config.json`` architecture) or a decoder's."""
+def load_artifact(path: str | Path) -> CompiledArtifact | EncoderArtifact | SpeechArtifact:
+    """A compiled directory's artifact, parsed once per process: an encoder's or a speech
+    model's (by its ``config.json`` architecture), or a decoder's."""
     path = Path(path)
     config = path / PIPELINE_MANIFEST
     if not config.is_file():
@@ -189,8 +203,12 @@ def load_artifact(path: str | Path) -> CompiledArtifact | EncoderArtifact:
     key = (str(path.resolve()), config.stat().st_mtime_ns if config.is_file() else -1)
     art = _PARSED.get(key)
     if art is None:
-        art = EncoderArtifact.load(path) if encoder_for_dir(path) is not None else None
-        art = art or CompiledArtifact.load(path)
+        if encoder_for_dir(path) is not None:
+            art = EncoderArtifact.load(path)
+        elif speech_for_dir(path) is not None:
+            art = SpeechArtifact.load(path)
+        else:
+            art = CompiledArtifact.load(path)
         _PARSED[key] = art
     return art
 

@@ -63,7 +63,7 @@ def resolve_compiled_dir(model: str | Path, settings: CompileSettings | None = N
         return model_dir
     hf_config = json.loads((model_dir / "config.json").read_text())
     settings = (settings or CompileSettings()).with_max_seq_len(hf_config)
-    keyed = settings.as_dict()
+    keyed = settings.cache_fields()
     if settings.lora_modules:  # adapters by content, not by where they are
         keyed["lora_modules"] = lora.modules_key(settings.lora_modules)
     key = hashlib.sha256(

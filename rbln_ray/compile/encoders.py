@@ -77,7 +77,7 @@ def compile_encoder(hf_dir: str | Path, out_dir: str | Path, settings: CompileSe
         raise ValueError(f"{hf_dir} is not an encoder rbln-ray compiles")
     decoder_only = {
         k: v
-        for k, v in settings.as_dict().items()
+        for k, v in settings.cache_fields().items()
         if k not in ("batch_size", "max_seq_len") and v != CompileSettings.model_fields[k].default
     }
     if decoder_only:
@@ -89,9 +89,9 @@ def compile_encoder(hf_dir: str | Path, out_dir: str | Path, settings: CompileSe
     settings = settings.with_max_seq_len(hf_config)
     batch_size, max_seq_len = settings.batch_size, settings.max_seq_len
     require_runtime("compile a model")
-    import optimum.rbln
+    from rbln_ray.upstream.optimum_models import rbln_class
 
-    cls = getattr(optimum.rbln, family.optimum_class)
+    cls = rbln_class(family.optimum_class)
     shape = f"batch {batch_size} x {max_seq_len} tokens"
     logger.info("compiling encoder %s -> %s (%s)", hf_dir, out_dir, shape)
     model = cls.from_pretrained(

@@ -17,10 +17,13 @@ from rbln_ray.compile import lora, quantization
 from rbln_ray.compile.settings import TRANSLATED, CompileSettings
 from rbln_ray.compile.spec_graphs import SpecGraphError
 from rbln_ray.families.registry import (
+    POOLING_DECODERS,
     DecoderFamily,
     EncoderFamily,
+    SpeechFamily,
     UnsupportedModelError,
     VisionFamily,
+    embedder_of,
     family_for_dir,
 )
 
@@ -62,8 +65,30 @@ def compile_model(hf_dir: str | Path, out_dir: str | Path, settings: CompileSett
         rbln_extra["quantization"] = quant.as_optimum()
     if adapters:
         rbln_extra["lora_config"] = lora.stage_adapters(adapters, Path(out_dir))
+    optimum_class = None
+    if settings.purpose == "embed":
+        embedder = embedder_of(family)
+        if embedder is None:
+            raise CompileConfigError(
+                f"{hf_dir}: rbln-ray compiles no embedding graph for {family.architecture}; "
+                "decoder-based embedders: "
+                + ", ".join(f"{f.name} ({f.architecture})" for f in POOLING_DECODERS.values())
+            )
+        if settings.spec_tokens or quant is not None or adapters:
+            raise CompileConfigError(
+                f"{hf_dir}: purpose=embed compiles no decode graphs: spec_tokens, "
+                "quantization, kv_cache_dtype and lora_modules apply to generation only"
+            )
+        optimum_class = embedder.optimum_class
     try:
-        return compile_hf_model(hf_dir, out_dir, settings, extra=rbln_extra, hf_kwargs=hf_kwargs)
+        return compile_hf_model(
+            hf_dir,
+            out_dir,
+            settings,
+            extra=rbln_extra,
+            hf_kwargs=hf_kwargs,
+            optimum_class=optimum_class,
+        )
     except SpecGraphError as exc:
         raise CompileConfigError(f"spec_tokens={settings.spec_tokens}: {exc}") from None
     except (ValueError, NotImplementedError) as exc:
@@ -111,11 +136,23 @@ def compile_directory(
         raise CompileConfigError(
             f"{family.architecture}: pipeline stages are served for decoders only"
         )
+    if settings.purpose != "generate" and (
+        pipeline_stages > 1 or not isinstance(family, DecoderFamily)
+    ):
+        raise CompileConfigError(
+            f"{family.architecture}: purpose={settings.purpose} applies to a decoder compiled "
+            "as one stage"
+        )
     if isinstance(family, EncoderFamily):
         from rbln_ray.compile.encoders import compile_encoder
 
         compile_encoder(hf_dir, out_dir, settings)
         return f"{family.architecture} encoder ({family.task})"
+    if isinstance(family, SpeechFamily):
+        from rbln_ray.compile.speech import compile_speech
+
+        compile_speech(hf_dir, out_dir, settings)
+        return f"{family.architecture} (speech to text)"
     if isinstance(family, VisionFamily):
         from rbln_ray.compile.vision import compile_vision_language
 

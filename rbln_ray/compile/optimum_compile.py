@@ -30,8 +30,10 @@ def compile_hf_model(
     *,
     extra: dict[str, Any] | None = None,
     hf_kwargs: dict[str, Any] | None = None,
+    optimum_class: str | None = None,
 ) -> Path:
-    """Compile ``hf_dir`` to ``out_dir`` with ``RBLNAutoModelForCausalLM``; returns ``out_dir``.
+    """Compile ``hf_dir`` to ``out_dir`` with ``RBLNAutoModelForCausalLM`` (or the optimum-rbln
+    class named ``optimum_class``, e.g. an embedder's ``RBLNQwen3Model``); returns ``out_dir``.
 
     ``extra`` are further ``rbln_config`` entries (a family's, e.g. ``phases``); ``hf_kwargs``
     go to the Hugging Face loading as they are (e.g. ``dtype``).
@@ -39,16 +41,19 @@ def compile_hf_model(
     require_runtime("compile a model")
     from optimum.rbln import RBLNAutoModelForCausalLM
 
+    from rbln_ray.upstream.optimum_models import rbln_class
+
+    cls = rbln_class(optimum_class) if optimum_class else RBLNAutoModelForCausalLM
     kwargs = settings.rbln_kwargs(**(extra or {}))
     kwargs.update(hf_kwargs or {})
     logger.info("compiling %s -> %s (%s)", hf_dir, out_dir, kwargs)
     verify: dict[str, Any] = {}
     with ExitStack() as stack:
         if settings.spec_tokens:
-            cls = optimum_internals.decoder_class(hf_dir)
+            cls = optimum_internals.decoder_class(hf_dir)  # the causal LM's own class
             build = spec_graphs.build_verify_graphs(settings.spec_tokens)
             stack.enter_context(optimum_internals.extra_graphs(cls, build, verify))
-        model = RBLNAutoModelForCausalLM.from_pretrained(str(hf_dir), export=True, **kwargs)
+        model = cls.from_pretrained(str(hf_dir), export=True, **kwargs)
     out = Path(out_dir)
     model.save_pretrained(out)
     del model

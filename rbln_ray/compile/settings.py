@@ -85,6 +85,12 @@ class CompileSettings(BaseModel):
         description="speculative decoding: also compile verify graphs that score this many "
         "draft tokens (+1) per sequence in one decode call, for every decode batch",
     )
+    purpose: Literal["generate", "embed"] = Field(
+        "generate",
+        description="decoders: what the compiled prefill returns: generate (logits; text, "
+        "and rerankers read as classifiers) or embed (every position's hidden state: a "
+        "decoder-based embedding model such as Qwen3-Embedding, served with runner=pooling)",
+    )
 
     @field_validator("decoder_batch_sizes", mode="before")
     @classmethod
@@ -127,18 +133,31 @@ class CompileSettings(BaseModel):
         """These settings with ``max_seq_len`` filled from the model (capped)."""
         if self.max_seq_len is not None:
             return self
-        context = hf_config.get("max_position_embeddings", DEFAULT_MAX_SEQ_LEN_CAP)
+        context = (
+            hf_config.get("max_position_embeddings")
+            or hf_config.get("max_target_positions")  # an encoder-decoder's decoder (Whisper)
+            or DEFAULT_MAX_SEQ_LEN_CAP
+        )
         return self.model_copy(update={"max_seq_len": min(context, DEFAULT_MAX_SEQ_LEN_CAP)})
 
     def as_dict(self) -> dict[str, Any]:
         return self.model_dump()
+
+    def cache_fields(self) -> dict[str, Any]:
+        """What identifies a compile of these settings (the compile cache's key): every
+        field, but ``purpose`` only when it is not the default, so compiles cached before it
+        existed keep their keys."""
+        fields = self.model_dump()
+        if fields["purpose"] == "generate":
+            del fields["purpose"]
+        return fields
 
     def rbln_config(self, **extra: Any) -> dict[str, Any]:
         """optimum's ``rbln_config`` entries (unprefixed) for these settings plus ``extra``;
         a setting left at None is left out, so optimum's default applies."""
         if self.max_seq_len is None:
             raise CompileSettingsError("max_seq_len is not set (see with_max_seq_len)")
-        values = {**self.model_dump(exclude={*OWN_SETTINGS, *TRANSLATED}), **extra}
+        values = {**self.model_dump(exclude={*OWN_SETTINGS, *TRANSLATED, "purpose"}), **extra}
         if values.get("decoder_batch_sizes") is not None:
             values["decoder_batch_sizes"] = list(values["decoder_batch_sizes"])
         return {k: v for k, v in values.items() if v is not None}

@@ -228,7 +228,7 @@ class Runtime(KVHostTransfer):
         # modelled mode: compute, then sleep the rest of the modelled latency.
         mode = timing.emulator_mode()
         self._modelled = mode == "modelled"
-        self._timing = timing.GraphTiming(compiled_model) if mode != "compute" else None
+        self._timing = timing.graph_timing(compiled_model) if mode != "compute" else None
         self._decode_graph = call_log.is_decode_graph(compiled_model.input_info)
         self._graph = timing.compiled_dir_name(compiled_model)
         logger.debug("emulated runtime on devices %s (node %s)", physical, node)

@@ -3,7 +3,14 @@ equal to these: ``tests/unit/test_families.py``)."""
 
 from __future__ import annotations
 
-from rbln_ray.families.registry import DECODERS, ENCODERS, VISION, Family
+from rbln_ray.families.registry import (
+    DECODERS,
+    ENCODERS,
+    POOLING_DECODERS,
+    SPEECH,
+    VISION,
+    Family,
+)
 
 
 def _test_id(family: Family, variant: str) -> str:
@@ -46,6 +53,7 @@ def decoder_matrix() -> str:
 
 
 def encoder_matrix() -> str:
+    """Pooling models: the encoders, then the decoders read as embedders or rerankers."""
     tasks = {
         "embed": "`embed`, `/v1/score` (cosine)",
         "classify": "`classify`, `/v1/score`, `/v1/rerank` (cross-encoder)",
@@ -54,9 +62,25 @@ def encoder_matrix() -> str:
         "| family | HF architecture | optimum-rbln class | tasks | e.g. | verified by |",
         "|---|---|---|---|---|---|",
     ]
-    for f in ENCODERS.values():
+    for f in [*ENCODERS.values(), *POOLING_DECODERS.values()]:
+        arch = f"`{f.architecture}`"
+        if f in POOLING_DECODERS.values() and f.hf_overrides:
+            arch += " (a causal LM checkpoint, with vLLM's `hf_overrides`)"
         rows.append(
-            f"| {f.name} | `{f.architecture}` | `{f.optimum_class}` | {tasks[f.task]} "
+            f"| {f.name} | {arch} | `{f.optimum_class}` | {tasks[f.task]} "
+            f"| {f.examples} | {_test_id(f, '')} |"
+        )
+    return "\n".join(rows)
+
+
+def speech_matrix() -> str:
+    rows = [
+        "| family | HF architecture | optimum-rbln class | tasks | e.g. | verified by |",
+        "|---|---|---|---|---|---|",
+    ]
+    for f in SPEECH.values():
+        rows.append(
+            f"| {f.name} | `{f.architecture}` | `{f.optimum_class}` | {', '.join(f.tasks)} "
             f"| {f.examples} | {_test_id(f, '')} |"
         )
     return "\n".join(rows)
@@ -81,4 +105,9 @@ def vision_matrix() -> str:
 
 def matrices() -> dict[str, str]:
     """Every support matrix, by what it lists."""
-    return {"decoders": decoder_matrix(), "encoders": encoder_matrix(), "vision": vision_matrix()}
+    return {
+        "decoders": decoder_matrix(),
+        "encoders": encoder_matrix(),
+        "vision": vision_matrix(),
+        "speech": speech_matrix(),
+    }

@@ -35,6 +35,7 @@ GREEDY_TEST = "tests/vllm_plugin/test_zoo_greedy.py::test_family_greedy_matches_
 LLM_GREEDY_TEST = "tests/vllm_plugin/test_llm_greedy.py::test_llm_greedy_matches_transformers"
 EMBED_TEST = "tests/vllm_plugin/test_embeddings.py"
 VISION_TEST = "tests/vllm_plugin/test_vision_language.py"
+SPEECH_TEST = "tests/vllm_plugin/test_speech.py"
 
 
 class UnsupportedModelError(ValueError):
@@ -133,6 +134,38 @@ class EncoderFamily(Family):
     task: str = "embed"
     tiny: TinyRecipe = field(default_factory=lambda: TinyRecipe("BertConfig"))
     examples: str = ""  # real checkpoints of the family, for the README
+
+
+@dataclass(frozen=True)
+class PoolingDecoderFamily(Family):
+    """A decoder-only checkpoint served for embeddings or scores (``runner="pooling"``): the
+    strongest open embedders and rerankers today are causal LMs read another way. Its
+    checkpoints declare the decoder's own architecture (``Qwen3ForCausalLM``), so it is found
+    by the runner and the config keys vLLM is told about it (:func:`pooling_decoder_for`),
+    never by architecture alone."""
+
+    kind: ClassVar[str] = "decoder-pooling"
+    decoder_family: str = ""  # the DecoderFamily its checkpoints are
+    # "embed" (the hidden state of the last token, normalised by vLLM's pooler) or "classify"
+    # (a relevance score from the LM head: /v1/score and /v1/rerank)
+    task: str = "embed"
+    # What vLLM is told about such a checkpoint (``hf_overrides``, as vLLM documents it for
+    # the model); the architecture vLLM then serves is this record's ``architecture``.
+    hf_overrides: Mapping[str, Any] = field(default_factory=dict)
+    # config keys that mark the checkpoint as this family (set by ``hf_overrides``)
+    recognised_by: tuple[str, ...] = ()
+    examples: str = ""
+
+
+@dataclass(frozen=True)
+class SpeechFamily(Family):
+    """A speech-to-text encoder-decoder: optimum-rbln compiles the audio encoder (which
+    writes each request's cross-attention KV into a slot of a static buffer) and a decoder
+    of one batch of rows; served through vLLM's transcription front end."""
+
+    kind: ClassVar[str] = "speech"
+    tasks: tuple[str, ...] = ("transcribe", "translate")
+    examples: str = ""
 
 
 @dataclass(frozen=True)
@@ -449,6 +482,82 @@ _FAMILIES: tuple[Family, ...] = (
         task="classify",
         tiny=TinyRecipe("RobertaConfig", ROBERTA, framing="roberta"),
     ),
+    # BERT cross-encoders (ms-marco MiniLM): a pair is [CLS] query [SEP] document [SEP], and
+    # the segment ids tell the two apart. optimum-rbln 0.12 exports no class for it: rbln-ray's
+    # own (rbln_ray/upstream/optimum_models.py) compiles it on optimum's generic path.
+    EncoderFamily(
+        "bert-reranker",
+        "BertForSequenceClassification",
+        "RBLNBertForSequenceClassification",
+        {"": EMBED_TEST},
+        input_names=("input_ids", "attention_mask", "token_type_ids"),
+        task="classify",
+        tiny=TinyRecipe("BertConfig", {"num_labels": 1}),
+        examples="ms-marco-MiniLM-L-6-v2",
+    ),
+    # ModernBERT embedders: alternating global and local (sliding-window) attention layers;
+    # rbln-ray's RBLNModernBertModel, as optimum compiles its masked LM
+    EncoderFamily(
+        "modernbert",
+        "ModernBertModel",
+        "RBLNModernBertModel",
+        {"": EMBED_TEST},
+        tiny=TinyRecipe(
+            "ModernBertConfig",
+            {
+                # head_dim 64 (vLLM's CPU attention's sizes), a window shorter than the test
+                # inputs, so the local layers matter
+                "num_attention_heads": 2,
+                "local_attention": 16,
+                "global_attn_every_n_layers": 2,
+                "bos_token_id": "$bos",
+                "eos_token_id": "$eos",
+                "cls_token_id": "$bos",
+                "sep_token_id": "$eos",
+            },
+        ),
+        examples="gte-modernbert-base",
+    ),
+    # ---------------------------------------------------------------- decoder-based pooling
+    # Qwen3-Embedding: a Qwen3 causal LM checkpoint whose last token's hidden state is the
+    # embedding; optimum's RBLNQwen3Model compiles its prefill to return every position's
+    # hidden state (no LM head).
+    PoolingDecoderFamily(
+        "qwen3-embedding",
+        "Qwen3ForCausalLM",
+        "RBLNQwen3Model",
+        {"": EMBED_TEST},
+        decoder_family="qwen3",
+        examples="Qwen3-Embedding-0.6B",
+    ),
+    # Qwen3-Reranker: the causal LM asked "yes" or "no"; vLLM reads it as a classifier whose
+    # score is sigmoid(logit("yes") - logit("no")) at the last token. The compiled model is
+    # the ordinary causal LM (its prefill's last-token logits).
+    PoolingDecoderFamily(
+        "qwen3-reranker",
+        "Qwen3ForSequenceClassification",
+        "RBLNQwen3ForCausalLM",
+        {"": EMBED_TEST},
+        decoder_family="qwen3",
+        task="classify",
+        hf_overrides={
+            "architectures": ["Qwen3ForSequenceClassification"],
+            "classifier_from_token": ["no", "yes"],
+            "is_original_qwen3_reranker": True,
+        },
+        recognised_by=("is_original_qwen3_reranker",),
+        examples="Qwen3-Reranker-0.6B",
+    ),
+    # ---------------------------------------------------------------- speech
+    # openai/whisper-*: a log-mel audio encoder run once per request into the request's
+    # cross-attention slot, and a decoder whose compiled batch rows step together
+    SpeechFamily(
+        "whisper",
+        "WhisperForConditionalGeneration",
+        "RBLNWhisperForConditionalGeneration",
+        {"": SPEECH_TEST},
+        examples="whisper-small, whisper-large-v3",
+    ),
     # ---------------------------------------------------------------- vision-language
     # llava-hf/llava-1.5-*: a CLIP vision tower, a 2-layer MLP projector, a Llama LM
     VisionFamily(
@@ -643,6 +752,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILIES}
 DECODERS: dict[str, DecoderFamily] = {f.name: f for f in _FAMILIES if isinstance(f, DecoderFamily)}
 ENCODERS: dict[str, EncoderFamily] = {f.name: f for f in _FAMILIES if isinstance(f, EncoderFamily)}
 VISION: dict[str, VisionFamily] = {f.name: f for f in _FAMILIES if isinstance(f, VisionFamily)}
+POOLING_DECODERS: dict[str, PoolingDecoderFamily] = {
+    f.name: f for f in _FAMILIES if isinstance(f, PoolingDecoderFamily)
+}
+SPEECH: dict[str, SpeechFamily] = {f.name: f for f in _FAMILIES if isinstance(f, SpeechFamily)}
+# What an architecture alone names (a pooling decoder's checkpoint is its decoder's).
+_BY_ARCH: dict[str, Family] = {
+    f.architecture: f for f in _FAMILIES if not isinstance(f, PoolingDecoderFamily)
+}
 
 # optimum-rbln 0.12 classes rbln-ray does not serve, and why (refused with the reason).
 UNSUPPORTED: dict[str, str] = {
@@ -664,6 +781,12 @@ UNSUPPORTED: dict[str, str] = {
     "pads the KV cache around image runs (image_prefill graphs, padded_cache_lengths), which "
     "rbln-ray's scheduler and runner do not model; and its decode after an image prompt is "
     "not token-exact on the emulator (verified with a tiny model)",
+    "Qwen3ASRForConditionalGeneration": "vLLM 0.30's Qwen3-ASR front end imports torchvision "
+    "(through Qwen2.5-Omni and Qwen2-VL), which rbln-ray does not install; optimum-rbln 0.12 "
+    "compiles RBLNQwen3ASRForConditionalGeneration, but serving it needs rbln-ray's own "
+    "declaration of the architecture (a follow-up)",
+    "T5EncoderModel": "vLLM 0.30 has no T5 model (no front end, and no plain vLLM-CPU "
+    "reference to verify against); optimum-rbln 0.12's RBLNT5EncoderModel compiles it",
 }
 
 
@@ -679,10 +802,9 @@ def family_for_architectures(archs: Iterable[str], where: str = "model") -> Fami
     """The family of the first supported architecture, else an error naming the supported
     ones (and why, for architectures rbln-ray refuses)."""
     archs = list(archs)
-    by_arch = {f.architecture: f for f in _FAMILIES}
     for arch in archs:
-        if arch in by_arch:
-            return by_arch[arch]
+        if arch in _BY_ARCH:
+            return _BY_ARCH[arch]
     reasons = [f"{a}: {UNSUPPORTED[a]}" for a in archs if a in UNSUPPORTED]
     raise UnsupportedModelError(
         f"{where}: architecture {archs or 'unknown'} is not supported by rbln-ray"
@@ -690,6 +812,7 @@ def family_for_architectures(archs: Iterable[str], where: str = "model") -> Fami
         + f"; supported: {', '.join(f.architecture for f in DECODERS.values())}"
         + f"; for embeddings and scores: {', '.join(f.architecture for f in ENCODERS.values())}"
         + f"; with images: {', '.join(f.architecture for f in VISION.values())}"
+        + f"; speech to text: {', '.join(f.architecture for f in SPEECH.values())}"
     )
 
 
@@ -710,8 +833,7 @@ def family_for_dir(model_dir: str | Path) -> Family:
 
 def kind_of_dir(model_dir: str | Path) -> Family | None:
     """The family of a directory, or None when it declares no architecture rbln-ray knows."""
-    by_arch = {f.architecture: f for f in _FAMILIES}
-    return next((by_arch[a] for a in architectures(model_dir) if a in by_arch), None)
+    return next((_BY_ARCH[a] for a in architectures(model_dir) if a in _BY_ARCH), None)
 
 
 def encoder_for_dir(model_dir: str | Path) -> EncoderFamily | None:
@@ -724,6 +846,40 @@ def vision_for_dir(model_dir: str | Path) -> VisionFamily | None:
     """The vision-language family of a directory, or None for anything else."""
     found = kind_of_dir(model_dir)
     return found if isinstance(found, VisionFamily) else None
+
+
+def speech_for_dir(model_dir: str | Path) -> SpeechFamily | None:
+    """The speech-to-text family of a directory, or None for anything else."""
+    found = kind_of_dir(model_dir)
+    return found if isinstance(found, SpeechFamily) else None
+
+
+def pooling_decoder_for(config: Mapping[str, Any] | Any) -> PoolingDecoderFamily | None:
+    """The pooling family of a decoder checkpoint served with ``runner="pooling"``, from its
+    config as vLLM sees it (``hf_overrides`` applied), or None when rbln-ray serves no such
+    pooling for it: a marked reranker first, else its decoder family's embedder."""
+
+    def get(key: str) -> Any:
+        return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+
+    archs = list(get("architectures") or [])
+    for f in POOLING_DECODERS.values():
+        if f.recognised_by and f.architecture in archs and all(get(k) for k in f.recognised_by):
+            return f
+    decoder = next((_BY_ARCH[a] for a in archs if a in _BY_ARCH), None)
+    return embedder_of(decoder) if isinstance(decoder, DecoderFamily) else None
+
+
+def embedder_of(decoder: Family) -> PoolingDecoderFamily | None:
+    """The embedding family of a decoder family's checkpoints, if rbln-ray serves one."""
+    return next(
+        (
+            f
+            for f in POOLING_DECODERS.values()
+            if f.decoder_family == decoder.name and f.task == "embed" and not f.recognised_by
+        ),
+        None,
+    )
 
 
 def family_for_config_class(cls_name: str) -> Family | None:

@@ -45,10 +45,10 @@ class TinyEncoderSpec:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _framed_tokenizer(vocab_size: int, roberta: bool):
+def _framed_tokenizer(vocab_size: int, roberta: bool, segments: bool):
     """The local BPE tokenizer, framed as the family frames its inputs: BERT's
-    ``[CLS] A [SEP] B [SEP]`` with segment ids, or RoBERTa's ``<s> A </s></s> B </s>`` (one
-    segment)."""
+    ``[CLS] A [SEP] B [SEP]`` with segment ids (when the model takes them: ModernBERT frames
+    pairs alike without), or RoBERTa's ``<s> A </s></s> B </s>`` (one segment)."""
     from tokenizers import Tokenizer
     from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
@@ -64,7 +64,7 @@ def _framed_tokenizer(vocab_size: int, roberta: bool):
         special_tokens=[(BOS, cls_id), (EOS, sep_id)],
     )
     names = ["input_ids", "attention_mask"]
-    if not roberta:
+    if segments:
         names.insert(1, "token_type_ids")
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -114,11 +114,13 @@ def build_tiny_encoder(
     out = out_dir or cache_dir() / "models" / f"tiny-{spec.family}-{spec.key()}"
     if (out / "config.json").exists():
         return out
-    roberta = ENCODERS[spec.family].tiny.framing == "roberta"
-    tokenizer = _framed_tokenizer(spec.vocab_size, roberta=roberta)
+    family = ENCODERS[spec.family]
+    roberta = family.tiny.framing == "roberta"
+    segments = "token_type_ids" in family.input_names
+    tokenizer = _framed_tokenizer(spec.vocab_size, roberta=roberta, segments=segments)
     config = _config(spec, tokenizer)
     torch.manual_seed(spec.seed)
-    model_cls = getattr(transformers, ENCODERS[spec.family].architecture)
+    model_cls = getattr(transformers, family.architecture)
     model = model_cls(config).eval()
     logger.info("building tiny %s encoder at %s", spec.family, out)
     with atomic_dir(out) as tmp:

@@ -74,6 +74,11 @@ class RequestLimits(_Strict):
     # (``media_io_kwargs``): nothing unless named here.
     allowed_mm_processor_kwargs: list[str] = Field(default_factory=list)
     allowed_media_io_kwargs: list[str] = Field(default_factory=list)
+    # Audio uploads (/v1/audio/*): at most this long by their header, refused at the ingress,
+    # and vLLM's own decode limit in the replicas (VLLM_MAX_AUDIO_DECODE_DURATION_S, whose
+    # default this is). An upload also counts against max_request_bytes (16 kHz 16-bit mono
+    # WAV: 32 KB a second).
+    max_audio_seconds: int = Field(default=600, ge=1)
 
 
 class IngressConfig(_Strict):

@@ -5,10 +5,12 @@ The routes are vLLM's (:mod:`rbln_ray.serve.routes`): each one the ingress serve
 of vLLM's endpoint (its path, methods, dependencies and request model), so a malformed body
 gets exactly vLLM's 400 before it costs a replica anything. A valid request is routed by its
 ``model`` field and checked against the app's limits (prompts x ``n``, ``max_tokens``,
-media); its body is then forwarded as bytes (:class:`~rbln_ray.serve.http_call.HTTPCall`)
-through a streaming ``DeploymentHandle`` to the model's replica, which runs it through
-vLLM's own app, and the answer is relayed as it comes (JSON, SSE, bytes). A client that
-disconnects cancels the handle call, which aborts the request in the engine.
+media; a multipart upload to ``/v1/audio/*``: its ``model`` form field, and its audio's
+header, :mod:`rbln_ray.serve.audio`); its body is then forwarded as bytes
+(:class:`~rbln_ray.serve.http_call.HTTPCall`) through a streaming ``DeploymentHandle`` to
+the model's replica, which runs it through vLLM's own app, and the answer is relayed as it
+comes (JSON, SSE, bytes). A client that disconnects cancels the handle call, which aborts
+the request in the engine.
 
 Before any route: the API key (``Authorization: Bearer`` or Anthropic's ``x-api-key``), the
 body size cap (413) and the body read deadline (408), in one ASGI middleware, because
@@ -58,6 +60,7 @@ PROMPT_FIELDS = ("prompt", "input", "text_1", "text_2", "data_1", "data_2", "que
 # Routes whose `input` / `messages` is one conversation, not a list of prompts.
 CONVERSATION_ROUTES = ("/v1/responses", ANTHROPIC_PREFIX)
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+BODY_KEY = "rbln_ray.body"  # the request body in its ASGI scope (read once, by Admission)
 WARM_UP_MODEL = "rbln-ray-warm-up"  # a name no model has (the ingress's own warm-up)
 
 
@@ -252,6 +255,7 @@ class Admission:
         if body is None:
             await error_response(413, f"request body exceeds {cap} bytes")(scope, receive, send)
             return
+        scope[BODY_KEY] = body  # a multipart body is relayed as it came (forward_upload)
         replayed = False
 
         async def replay() -> dict:
@@ -448,6 +452,8 @@ class OpenAIIngress:
     # ---------------------------------------------------------------- route handlers
     async def forward(self, route: Any, raw: Request, params: dict[str, Any]) -> Response:
         """A request naming its model in the body (``Kind.MODEL``)."""
+        if raw.headers.get("content-type", "").startswith("multipart/form-data"):
+            return await self.forward_upload(raw)
         path = raw.scope["path"]
         family = family_of(path)
         body = await self._json(raw)
@@ -464,6 +470,21 @@ class OpenAIIngress:
         replica = found[1] if found and self.tags.get(found[0]) == model else None
         call = self._call(raw, await raw.body(), routing_prefix(body), replica)
         return await self.relay(model, call)
+
+    async def forward_upload(self, raw: Request) -> Response:
+        """A multipart upload (``/v1/audio/*``, vLLM's form parsed and validated already):
+        routed by its ``model`` field, its audio checked by its header
+        (:func:`rbln_ray.serve.audio.check_upload`), then relayed byte for byte."""
+        from rbln_ray.serve.audio import check_upload
+
+        form = await raw.form()  # FastAPI's parse, cached on the request
+        model = self._model(form.get("model"), "openai")
+        if isinstance(model, Response):
+            return model
+        problem = await check_upload(form, self.limits)
+        if problem is not None:
+            return error_response(*problem)
+        return await self.relay(model, self._call(raw, raw.scope[BODY_KEY]))
 
     async def forward_stored(self, route: Any, raw: Request, params: dict[str, Any]) -> Response:
         """Retrieve or cancel a stored response (``Kind.RESPONSE_ID``): to the replica whose

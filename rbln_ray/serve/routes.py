@@ -98,9 +98,10 @@ def flatten(routes: Iterable[Any]) -> Iterator[Any]:
 @functools.cache
 def vllm_routes() -> dict[tuple[str, str], Any]:
     """Every ``(path, method)`` vLLM's server can answer, with its ``APIRoute``: the app of a
-    generating model with every optional router on, and the pooling routers of an embedding
-    and a classifying model. vLLM attaches some routes to module-level routers when an app
-    is built, so a second build in one process repeats them: the first one counts."""
+    generating and transcribing model with every optional router on, and the pooling routers
+    of an embedding and a classifying model. vLLM attaches some routes to module-level
+    routers when an app is built, so a second build in one process repeats them: the first
+    one counts."""
     from fastapi import FastAPI
     from fastapi.routing import APIRoute
     from vllm.entrypoints.launchers.app import build_app
@@ -113,7 +114,8 @@ def vllm_routes() -> dict[tuple[str, str], Any]:
     )
     dev = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
     with mock.patch.dict(os.environ, dev):  # the control routes too, to refuse them by name
-        apps = [build_app(args, ("generate",), None)]
+        # "transcription": the speech-to-text routes (/v1/audio/*), multipart uploads.
+        apps = [build_app(args, ("generate", "transcription"), None)]
         for task in ("embed", "classify"):
             app = FastAPI()
             register_pooling_api_routers(app, (task,), _PoolingConfigStub(task))

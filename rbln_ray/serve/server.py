@@ -149,6 +149,7 @@ class LLMServer:
 
         from rbln_ray.common.logging_setup import apply_process_defaults, setup_logging
         from rbln_ray.emulator import ensure_runtime
+        from rbln_ray.serve.audio import replica_env
         from rbln_ray.serve.replica_bind import bind_replica_grpc_to_loopback
         from rbln_ray.serve.warmup import warm_up
         from rbln_ray.vllm_plugin.platform import compiled_artifact
@@ -170,6 +171,7 @@ class LLMServer:
         if self.cfg.responses_store:  # read by vLLM's OpenAIServingResponses
             os.environ["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
         limits_cfg = RequestLimits.model_validate(limits or {})
+        os.environ.update(replica_env(limits_cfg))  # vLLM's audio decode cap: the app's
         args = engine_namespace(self.cfg, resolve_model_path(self.cfg.model), limits_cfg)
         self._kv_events = None
         if kv_events:  # routing: cache_aware (rbln_ray.serve.kv_events)

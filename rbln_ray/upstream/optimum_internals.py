@@ -31,6 +31,8 @@ QWEN2_VL_PY = "rbln_ray/families/qwen2_vl.py"
 RUNNER_PY = "rbln_ray/vllm_plugin/model_runner.py"
 SPEC_PY = "rbln_ray/compile/spec_graphs.py"
 MODELING = f"{DECODER}.modeling_decoderonly:RBLNDecoderOnlyModelForCausalLM"
+MODELS_PY = "rbln_ray/upstream/optimum_models.py"
+GENERIC = "optimum.rbln.transformers.modeling_generic"
 
 REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement(
@@ -158,6 +160,25 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         "optimum.rbln.transformers.models.auto.auto_factory:_BaseAutoModelClass.get_rbln_cls",
         SPEC_PY,
         params=("pretrained_model_name_or_path",),
+    ),
+    # rbln-ray's encoder classes (optimum_models): optimum's generic encoders, subclassed,
+    # registered through its auto classes, ModernBERT compiled with its masked LM's wrapper.
+    Requirement("optimum.rbln:RBLNAutoModel.register", MODELS_PY, params=("rbln_cls", "exist_ok")),
+    Requirement("optimum.rbln:RBLNAutoConfig.register", MODELS_PY, params=("config", "exist_ok")),
+    Requirement(f"{GENERIC}:RBLNModelForSequenceClassification", MODELS_PY, "attribute"),
+    Requirement(
+        f"{GENERIC}:RBLNTransformerEncoderForFeatureExtraction._wrap_model_if_needed",
+        MODELS_PY,
+        params=("model", "rbln_config"),
+    ),
+    Requirement(
+        f"{GENERIC}:RBLNTransformerEncoderForFeatureExtraction.get_pytorch_model", MODELS_PY
+    ),
+    Requirement(
+        "optimum.rbln.transformers.models.modernbert.modernbert_architecture:"
+        "ModernBertModelWrapper",
+        MODELS_PY,
+        params=("model", "rbln_config"),
     ),
 )
 

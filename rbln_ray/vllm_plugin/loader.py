@@ -12,26 +12,32 @@ from typing import Any
 from rbln_ray.compile.artifact import CompiledArtifact
 from rbln_ray.compile.encoders import EncoderArtifact
 from rbln_ray.compile.lora import loadable_dir
-from rbln_ray.families.registry import VISION
+from rbln_ray.compile.speech import SpeechArtifact
+from rbln_ray.families.registry import POOLING_DECODERS, VISION
 
 logger = logging.getLogger(__name__)
 
 
 def load_compiled_model(
-    artifact: CompiledArtifact | EncoderArtifact, device_ids: Sequence[int]
+    artifact: CompiledArtifact | EncoderArtifact | SpeechArtifact, device_ids: Sequence[int]
 ) -> Any:
     """Load the optimum-rbln model with runtimes on ``device_ids`` (visible-device indices): a
-    decoder through ``RBLNAutoModelForCausalLM``, an encoder or a vision-language model
-    through its family's class (which loads its vision tower and language model too)."""
+    decoder through ``RBLNAutoModelForCausalLM``, an encoder, a speech model or a
+    vision-language model through its family's class (which loads its vision tower and
+    language model too)."""
     from rbln_ray.emulator import require_runtime
 
     require_runtime("load a compiled model")
     import optimum.rbln
 
-    if isinstance(artifact, EncoderArtifact):
-        cls = getattr(optimum.rbln, artifact.family.optimum_class)
+    from rbln_ray.upstream.optimum_models import rbln_class
+
+    if isinstance(artifact, EncoderArtifact | SpeechArtifact):
+        cls = rbln_class(artifact.family.optimum_class)
     elif artifact.is_multimodal:
         cls = getattr(optimum.rbln, VISION[artifact.vision_family].optimum_class)
+    elif artifact.pooling:  # a decoder compiled for embeddings (e.g. RBLNQwen3Model)
+        cls = rbln_class(POOLING_DECODERS[artifact.pooling].optimum_class)
     else:
         cls = optimum.rbln.RBLNAutoModelForCausalLM
     device: int | list[int] = device_ids[0] if len(device_ids) == 1 else list(device_ids)

@@ -33,7 +33,13 @@ from vllm.platforms.cpu import CpuPlatform
 
 from rbln_ray.compile.artifact import CompiledArtifact, load_artifact
 from rbln_ray.compile.encoders import EncoderArtifact
-from rbln_ray.families.registry import VISION
+from rbln_ray.compile.speech import SpeechArtifact
+from rbln_ray.families.registry import (
+    POOLING_DECODERS,
+    VISION,
+    PoolingDecoderFamily,
+    pooling_decoder_for,
+)
 from rbln_ray.vllm_plugin import lora, quantization
 from rbln_ray.vllm_plugin.driver_cluster import remember_driver_cluster
 from rbln_ray.vllm_plugin.kv_blocks import BlockLayout
@@ -46,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 WORKER_CLS = "rbln_ray.vllm_plugin.worker.RBLNWorker"
 POOLING_WORKER_CLS = "rbln_ray.vllm_plugin.pooling_worker.RBLNPoolingWorker"
+SPEECH_WORKER_CLS = "rbln_ray.vllm_plugin.speech_worker.RBLNSpeechWorker"
+VLLM_SCHEDULER_CLS = "vllm.v1.core.sched.scheduler.Scheduler"
 SCHEDULER_CLS = "rbln_ray.vllm_plugin.scheduler.RBLNScheduler"
 ASYNC_SCHEDULER_CLS = "rbln_ray.vllm_plugin.scheduler.RBLNAsyncScheduler"
 # The layers above, named (vLLM's config takes qualnames) and never imported from here: the
@@ -77,6 +85,10 @@ def compiled_dir(vllm_config: VllmConfig) -> str:
         if spec is not None and settings.spec_tokens is None and spec.method in SPEC_METHODS:
             # speculative decoding: compile the verify graphs with the model
             settings = settings.model_copy(update={"spec_tokens": spec.num_speculative_tokens})
+        if model_config.runner_type == "pooling":
+            wanted = pooling_decoder_for(model_config.hf_config)
+            if wanted is not None and wanted.task == "embed":  # its own graph (no LM head)
+                settings = settings.model_copy(update={"purpose": "embed"})
         compiled = str(resolve_compiled_dir(model_config.model, settings))
         decide(vllm_config, compiled_dir=compiled)
     return compiled
@@ -90,19 +102,49 @@ def compiled_artifact(vllm_config: VllmConfig) -> CompiledArtifact:
     return art
 
 
-def compiled_model(vllm_config: VllmConfig) -> CompiledArtifact | EncoderArtifact:
-    """The engine's compiled decoder or encoder, for what both have (``num_devices``,
-    ``num_stages``, ``batch_size``): the executor's placement, for one."""
+def compiled_model(vllm_config: VllmConfig) -> CompiledArtifact | EncoderArtifact | SpeechArtifact:
+    """The engine's compiled decoder, encoder or speech model, for what all have
+    (``num_devices``, ``num_stages``, ``batch_size``): the executor's placement, for one."""
     return load_artifact(compiled_dir(vllm_config))
 
 
-def compiled_encoder(vllm_config: VllmConfig) -> EncoderArtifact | None:
-    """The engine's compiled encoder, or None when the model is a decoder."""
+def pooling_decoder(vllm_config: VllmConfig) -> PoolingDecoderFamily | None:
+    """What a decoder engine with ``runner="pooling"`` serves (a decoder-based embedder or
+    reranker, :class:`~rbln_ray.families.registry.PoolingDecoderFamily`); None for any other
+    engine. Raises naming the problem when the checkpoint, the way vLLM reads it
+    (``hf_overrides``) and the compiled graph do not make one such family."""
+    model_config = vllm_config.model_config
     art = compiled_model(vllm_config)
-    return art if isinstance(art, EncoderArtifact) else None
+    if model_config.runner_type != "pooling" or not isinstance(art, CompiledArtifact):
+        return None
+    wanted = pooling_decoder_for(model_config.hf_config)
+    if wanted is None:
+        raise RBLNConfigError(
+            f"{art.path} is a compiled decoder ({art.cls_name}); as a pooling model rbln-ray "
+            "serves "
+            + "; ".join(
+                f"{f.name} ({f.architecture}"
+                + (f", hf_overrides={dict(f.hf_overrides)}" if f.hf_overrides else "")
+                + ")"
+                for f in POOLING_DECODERS.values()
+            )
+        )
+    compiled = POOLING_DECODERS.get(art.pooling)
+    if wanted.task == "embed" and compiled is not wanted:
+        raise RBLNConfigError(
+            f"{art.path} is compiled as {art.cls_name}; {wanted.name} embeds with "
+            f"{wanted.optimum_class} (compile its HF directory with purpose=embed, or pass "
+            "the HF directory)"
+        )
+    if wanted.task != "embed" and compiled is not None:
+        raise RBLNConfigError(
+            f"{art.path} is compiled for embeddings ({art.cls_name}); {wanted.name} reads the "
+            f"causal LM's logits ({wanted.optimum_class})"
+        )
+    return wanted
 
 
-def usable_len(art: CompiledArtifact | EncoderArtifact) -> tuple[int, str]:
+def usable_len(art: CompiledArtifact | EncoderArtifact | SpeechArtifact) -> tuple[int, str]:
     """The longest sequence the artifact can hold, and what bounds it: its compiled
     ``max_seq_len``, or (a decoder compiled with fewer KV blocks than one such sequence
     spans) every KV block together. A prompt longer than the KV pool could never start (it
@@ -116,7 +158,9 @@ def usable_len(art: CompiledArtifact | EncoderArtifact) -> tuple[int, str]:
     return art.max_seq_len, f"the compiled max_seq_len={art.max_seq_len}"
 
 
-def _sync_model_len(vllm_config: VllmConfig, art: CompiledArtifact | EncoderArtifact) -> None:
+def _sync_model_len(
+    vllm_config: VllmConfig, art: CompiledArtifact | EncoderArtifact | SpeechArtifact
+) -> None:
     model_config = vllm_config.model_config
     user_len = model_config.original_max_model_len
     usable, bound = usable_len(art)
@@ -470,10 +514,13 @@ def _sync_multimodal(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
 
 
 def _sync_decoder(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
-    if vllm_config.model_config.runner_type == "pooling":
+    if pooling_decoder(vllm_config) is not None:
+        _sync_pooling(vllm_config, art)
+        return
+    if art.pooling:
         raise RBLNConfigError(
-            f"{art.path} is a compiled decoder ({art.cls_name}); the pooling runner serves "
-            "compiled encoders only (rbln_ray.compile.encoders), not decoder-based embedders"
+            f"{art.path} is compiled for embeddings ({art.cls_name}, no decode graph): serve "
+            "it with runner='pooling'"
         )
     _sync_model_len(vllm_config, art)
     _sync_kv_cache(vllm_config, art)
@@ -496,23 +543,91 @@ def _sync_encoder(vllm_config: VllmConfig, art: EncoderArtifact) -> None:
             f"{art.path} is a compiled {art.family.architecture} encoder: it serves "
             "embeddings or scores (runner='pooling'), not text generation"
         )
+    _sync_pooling(vllm_config, art)
+    sched = vllm_config.scheduler_config
+    sched.max_num_seqs = min(sched.max_num_seqs, art.batch_size)
+    sched.max_num_batched_tokens = art.batch_size * model_config.max_model_len
+
+
+def _sync_pooling(vllm_config: VllmConfig, art: CompiledArtifact | EncoderArtifact) -> None:
+    """A pooling model (an encoder, or a decoder read as an embedder or reranker) runs each
+    prompt whole, in the step that schedules it, and keeps nothing for later steps: vLLM's own
+    scheduler (no RBLN block plan to make, no KV blocks for vLLM to manage), no prefix
+    caching, no chunking, one in-process or Ray worker."""
+    model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
         raise RBLNConfigError(
-            f"{art.path}: an encoder runs on the devices it was compiled for; leave "
+            f"{art.path}: a pooling model runs on the devices it was compiled for; leave "
             "tensor_parallel_size and pipeline_parallel_size at 1"
         )
     _sync_model_len(vllm_config, art)
     vllm_config.cache_config.enable_prefix_caching = False
     sched = vllm_config.scheduler_config
-    sched.max_num_seqs = min(sched.max_num_seqs, art.batch_size)
     sched.enable_chunked_prefill = False
-    sched.max_num_batched_tokens = art.batch_size * model_config.max_model_len
+    # whole prompts: at least one of the longest per step
+    sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, model_config.max_model_len)
     sched.long_prefill_token_threshold = 0
     sched.max_num_scheduled_tokens = None
     sched.async_scheduling = False  # nothing to overlap: a step's output is its last
     sched.verify_max_model_len(model_config.max_model_len)
     parallel.worker_cls = POOLING_WORKER_CLS
+    _sync_executor(vllm_config)
+
+
+def _sync_speech(vllm_config: VllmConfig, art: SpeechArtifact) -> None:
+    """A speech encoder-decoder (Whisper): vLLM's own scheduler and encoder budget (its
+    encoder-decoder path: each request's audio is scheduled with its decoder prompt, which
+    runs whole), one KV block per sequence, and a block id that names the request's row:
+    vLLM's block ``b`` is the compiled self-attention block and cross-attention slot
+    ``b - 1`` (block 0 is vLLM's null block), the row of every decoder call the request takes
+    part in (optimum's decoder reads row *i*'s cross-attention from slot *i*)."""
+    import torch
+
+    model_config = vllm_config.model_config
+    if model_config.runner_type != "generate":
+        raise RBLNConfigError(
+            f"{art.path} is a compiled {art.family.architecture}: it transcribes and "
+            f"translates audio (runner='generate'), not runner={model_config.runner_type!r}"
+        )
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise RBLNConfigError(
+            f"{art.path}: a speech model runs on the devices it was compiled for; leave "
+            "tensor_parallel_size and pipeline_parallel_size at 1"
+        )
+    if vllm_config.lora_config is not None:
+        raise RBLNConfigError(f"{art.path}: LoRA adapters are not compiled into this model")
+    _sync_model_len(vllm_config, art)
+    cache = vllm_config.cache_config
+    if cache.user_specified_block_size and cache.block_size != art.kvcache_block_size:
+        raise RBLNConfigError(
+            f"block_size={cache.block_size} conflicts with {art.path}: one block holds a "
+            f"whole sequence ({art.kvcache_block_size} tokens)"
+        )
+    cache.block_size = art.kvcache_block_size
+    cache.num_gpu_blocks_override = art.batch_size + 1  # +1: vLLM's null block
+    cache.enable_prefix_caching = False  # vLLM has none for encoder-decoder models either
+    sched = vllm_config.scheduler_config
+    sched.max_num_seqs = min(sched.max_num_seqs, art.batch_size)
+    sched.enable_chunked_prefill = False
+    sched.long_prefill_token_threshold = 0
+    sched.max_num_scheduled_tokens = None
+    audio = int(getattr(model_config.hf_config, "max_source_positions", art.enc_max_seq_len))
+    sched.max_num_batched_tokens = max(
+        sched.max_num_batched_tokens, model_config.max_model_len, audio
+    )
+    # vLLM sized these from max_num_batched_tokens before this hook: room for a new audio in
+    # every row in one step
+    sched.max_num_encoder_input_tokens = sched.encoder_cache_size = art.batch_size * audio
+    sched.async_scheduling = False
+    sched.scheduler_cls = VLLM_SCHEDULER_CLS
+    sched.verify_max_model_len(model_config.max_model_len)
+    dtype = getattr(torch, art.dtype)
+    if model_config.dtype != dtype:  # the mel features reach the encoder in its dtype
+        logger.info("dtype %s -> %s (compiled speech artifact)", model_config.dtype, dtype)
+        model_config.dtype = dtype
+    parallel.worker_cls = SPEECH_WORKER_CLS
     _sync_executor(vllm_config)
 
 
@@ -560,6 +675,8 @@ class RBLNPlatform(CpuPlatform):
         art = compiled_model(vllm_config)
         if isinstance(art, EncoderArtifact):
             _sync_encoder(vllm_config, art)
+        elif isinstance(art, SpeechArtifact):
+            _sync_speech(vllm_config, art)
         else:
             _sync_decoder(vllm_config, art)
         quantization.sync(vllm_config, art)

@@ -93,7 +93,8 @@ class RBLNPoolingRunner:
         for i, prompt in enumerate(prompts):
             ids[i, : lens[i]] = torch.tensor(prompt, dtype=torch.long)
             mask[i, : lens[i]] = 1
-        hidden = self._encode(ids, mask, lens)
+        segments = [self._segment_start(n, n_tok) for n, n_tok in zip(news, lens, strict=True)]
+        hidden = self._encode(ids, mask, lens, segments)
         flat = torch.cat([hidden[i, :n] for i, n in enumerate(lens)])
         metadata = self._metadata(news, ids[: len(lens)], lens)
         pooled = self.pooler(hidden_states=flat, pooling_metadata=metadata)
@@ -104,13 +105,28 @@ class RBLNPoolingRunner:
             pooler_output=[p.to("cpu") if p is not None else None for p in pooled],
         )
 
-    def _encode(self, ids: torch.Tensor, mask: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    @staticmethod
+    def _segment_start(new: Any, length: int) -> int:
+        """Where a prompt's second segment starts (its ``length`` when it has one segment):
+        vLLM's score and rerank requests of a cross-encoder that takes segment ids say so in
+        the pooling params (``compressed_token_type_ids``), as vLLM's own runner reads them."""
+        extra = getattr(new.pooling_params, "extra_kwargs", None) or {}
+        start = extra.get("compressed_token_type_ids")
+        return length if start is None else int(start)
+
+    def _encode(
+        self, ids: torch.Tensor, mask: torch.Tensor, lens: list[int], segments: list[int]
+    ) -> torch.Tensor:
         """One compiled call on the padded ``[batch_size, max_seq_len]`` inputs (the first
-        ``len(lens)`` rows real): every position's hidden state (or its sequence's logits)."""
+        ``len(lens)`` rows real): every position's hidden state (or its sequence's logits).
+        ``segments``: where each row's second segment starts (segment id 1 from there on)."""
         art = self.artifact
         inputs = {"input_ids": ids, "attention_mask": mask}
         if "token_type_ids" in art.input_names:
-            inputs["token_type_ids"] = torch.zeros_like(ids)  # one segment per prompt
+            types = torch.zeros_like(ids)
+            for i, (start, n) in enumerate(zip(segments, lens, strict=True)):
+                types[i, start:n] = 1
+            inputs["token_type_ids"] = types
         started = time.perf_counter()
         out = self.rbln_model(**inputs)
         self.stats.device_seconds += time.perf_counter() - started

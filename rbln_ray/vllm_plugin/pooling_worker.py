@@ -1,8 +1,10 @@
-"""RBLN pooling worker: :class:`~rbln_ray.vllm_plugin.worker.RBLNWorker` for a compiled encoder.
+"""RBLN pooling worker: :class:`~rbln_ray.vllm_plugin.worker.RBLNWorker` for a compiled encoder,
+or a decoder read as an embedder or reranker.
 
-What differs from a decoder's worker: no KV cache at all (an empty KV spec makes vLLM treat the
-model as attention-free, so it plans no blocks), the tasks come from vLLM's pooler, and a step
-returns its pooled output at once (nothing to sample afterwards).
+What differs from a decoder's worker: no KV cache for vLLM to plan (an empty KV spec makes
+vLLM treat the model as attention-free; a decoder's compiled KV blocks are reused by every
+prompt, none kept between steps), the tasks come from vLLM's pooler, and a step returns its
+pooled output at once (nothing to sample afterwards).
 """
 
 from __future__ import annotations
@@ -11,28 +13,36 @@ from vllm.v1.core.sched.output import GrammarOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
+from rbln_ray.compile.artifact import CompiledArtifact
 from rbln_ray.compile.encoders import EncoderArtifact
+from rbln_ray.vllm_plugin.decoder_pooling_runner import RBLNDecoderPoolingRunner
 from rbln_ray.vllm_plugin.loader import load_compiled_model
-from rbln_ray.vllm_plugin.platform import compiled_encoder
+from rbln_ray.vllm_plugin.platform import compiled_model, pooling_decoder
 from rbln_ray.vllm_plugin.pooling_runner import RBLNPoolingRunner
 from rbln_ray.vllm_plugin.worker import RBLNWorker
 
 
 class RBLNPoolingWorker(RBLNWorker):
-    """Loads the compiled encoder on this process's RBLN devices and pools scheduler steps."""
+    """Loads the compiled pooling model on this process's RBLN devices and pools scheduler
+    steps."""
 
-    artifact: EncoderArtifact  # type: ignore[assignment]
-    model_runner: RBLNPoolingRunner  # type: ignore[assignment]
+    artifact: EncoderArtifact | CompiledArtifact  # type: ignore[assignment]
+    model_runner: RBLNPoolingRunner | RBLNDecoderPoolingRunner  # type: ignore[assignment]
 
     def _resolve_artifact(self) -> None:
-        encoder = compiled_encoder(self.vllm_config)
-        if encoder is None:
-            raise RuntimeError("the pooling worker was given a decoder artifact")
-        self.artifact = encoder
+        self.artifact = compiled_model(self.vllm_config)
+        self.family = pooling_decoder(self.vllm_config)
+        if isinstance(self.artifact, CompiledArtifact) and self.family is None:
+            raise RuntimeError("the pooling worker was given a decoder artifact to generate with")
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         model = load_compiled_model(self.artifact, self.device_ids)
-        self.model_runner = RBLNPoolingRunner(self.vllm_config, self.artifact, model)
+        if isinstance(self.artifact, EncoderArtifact):
+            self.model_runner = RBLNPoolingRunner(self.vllm_config, self.artifact, model)
+        else:
+            self.model_runner = RBLNDecoderPoolingRunner(
+                self.vllm_config, self.artifact, self.family, model
+            )
 
     @property
     def prepare_ahead(self) -> None:

@@ -5,9 +5,13 @@ The same script gives both sides of the comparison: rbln-ray (``RBLN_RAY_DEVICE=
 the RBLN platform runs the compiled encoder) and plain vLLM-CPU (``RBLN_RAY_DEVICE=auto`` with
 no real runtime: the plugin stays out, vLLM runs its own BERT or RoBERTa in float32).
 Usage: vllm_embed.py SPEC_JSON  (``models``, ``texts``, ``query``, ``max_model_len``,
-``batch_size``; ``too_long``: token ids that must be refused; ``step_stats``: read them).
-Per model: ``embeddings`` (embedding models), ``probs`` (classifiers), ``scores`` of ``query``
-against each text (cosine for an embedding model, a cross-encoder's relevance for a reranker).
+``batch_size``; ``too_long``: token ids that must be refused; ``step_stats``: read them;
+``hf_overrides``: per model dir, what vLLM is told about the checkpoint, e.g. a reranker read
+from a causal LM). Per model: ``embeddings`` (embedding models), ``probs`` (classifiers),
+``scores`` of ``query`` against each text (cosine for an embedding model, a cross-encoder's
+relevance for a reranker), ``pair_probs``: a classifier's probabilities of each tokenized
+(query, text) pair given as token ids alone (no segment ids), which differ from its scores
+when the model reads segment ids.
 """
 
 import gc
@@ -28,6 +32,7 @@ def run(spec: dict, model: str) -> dict:
         kv_cache_memory_bytes=1 << 26,
         enforce_eager=True,
         additional_config={"rbln_compile": compile_settings},  # plain vLLM ignores it
+        hf_overrides=spec.get("hf_overrides", {}).get(model),
     )
     tasks = list(llm.llm_engine.get_supported_tasks())
     texts = spec["texts"]
@@ -41,6 +46,11 @@ def run(spec: dict, model: str) -> dict:
         out["probs"] = [o.outputs.probs for o in classified]
         out["prompt_lens"] = [len(o.prompt_token_ids) for o in classified]
     out["scores"] = [o.outputs.score for o in llm.score(spec["query"], texts)]
+    out["pair_probs"] = None
+    if "classify" in tasks:
+        tokenizer = llm.get_tokenizer()
+        pairs = [{"prompt_token_ids": tokenizer(spec["query"], t)["input_ids"]} for t in texts]
+        out["pair_probs"] = [o.outputs.probs for o in llm.classify(pairs)]
     out["refused"] = None
     if spec.get("too_long"):
         try:

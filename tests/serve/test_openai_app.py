@@ -701,6 +701,33 @@ def test_completions_and_streams_equal_transformers_with_ngram(demo_app: Running
     assert metric_sum("ray_vllm_spec_decode_num_draft_tokens_total") > metric_sum(name)
 
 
+def test_audio_to_text_models_is_refused_at_the_ingress(demo_app: RunningApp) -> None:
+    """A transcription asked of a chat model (a 404 naming its tasks: its vLLM app has no
+    such route, as `vllm serve` of it), and audio in a chat message to a text model (a
+    400): OpenAI-style bodies naming the problem (no speech model in this app)."""
+    import base64
+
+    from rbln_ray.models.speech import tone_clip, wav_bytes
+
+    wav = wav_bytes(tone_clip(1.0, 440))
+    r = httpx.post(
+        f"{demo_app.url}/v1/audio/transcriptions",
+        data={"model": "demo"},
+        files={"file": ("a.wav", wav, "audio/wav")},
+        headers=AUTH,
+        timeout=60,
+    )
+    assert r.status_code == 404, r.text
+    assert "does not serve POST /v1/audio/transcriptions" in r.json()["error"]["message"]
+    audio = {"data": base64.b64encode(wav).decode(), "format": "wav"}
+    content = [{"type": "input_audio", "input_audio": audio}, {"type": "text", "text": "?"}]
+    body = {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    r = httpx.post(f"{demo_app.url}/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == 400 and "does not accept audio inputs" in error["message"]
+
+
 def test_health_reflects_a_dead_replica(demo_app: RunningApp) -> None:
     """Runs last in this module: it kills a replica, then waits for Serve to replace it."""
     import ray

@@ -1,17 +1,31 @@
-"""Model-zoo families through the Serve app and the real ``openai`` client: a sliding-window
-family (Gemma2, hybrid cache) and an MoE family (Mixtral), served side by side, each under
-concurrent requests longer than the sliding window, greedy text equal to transformers'."""
+"""Model-zoo families, speech to text and the pooling breadth through one Serve app and the
+real ``openai`` client (one app start for all: its replicas start side by side).
+
+Zoo: a sliding-window family (Gemma2, hybrid cache) and an MoE family (Mixtral), each under
+concurrent requests longer than the sliding window, greedy text equal to transformers'.
+
+Speech (acceptance 1, 2 and 4 of the speech issue): the tiny Whisper (4 decoder rows) beside a
+Qwen3 embedder, a Qwen3 reranker, a BERT cross-encoder and a ModernBERT embedder.
+``/v1/audio/transcriptions`` of the test clips (one longer than 30 seconds, one spoken by
+``espeak-ng``) gives the text of transformers' greedy tokens chunk by chunk, also streamed,
+also translated; the pooling routes equal plain vLLM-CPU on the same weights; bad uploads are
+4xx with OpenAI-style bodies and leave the app serving."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
+from rbln_ray.families.registry import POOLING_DECODERS
 from tests.helpers import compiled_model, hf_greedy
 from tests.serve.conftest import RunningApp, free_port, start_app, stop_app
+from tests.speech import MAX_TOKENS as SPEECH_MAX_TOKENS
+from tests.speech import PROMPT, chunks, clips, reference
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +43,45 @@ PROMPTS = [
 MAX_TOKENS = 48
 
 
+POOLING = ("qwen3-embedding", "qwen3-reranker", "bert-reranker", "modernbert")
+MAX_AUDIO_S = 45  # limits.max_audio_seconds of the app: the 42 s clip fits, 50 s does not
+MAX_BYTES = 2 << 20  # limits.max_request_bytes: a 42 s 16 kHz WAV (1.3 MB) fits
+
+
 @pytest.fixture(scope="module")
 def zoo_app() -> Iterator[RunningApp]:
+    from rbln_ray.compile import CompileSettings, resolve_compiled_dir
+    from rbln_ray.models import build_tiny_whisper
+    from tests.helpers import EMBED_BATCH, EMBED_MAX_LEN
+    from tests.vllm_plugin.test_embeddings import model_dir
+
     models = [
         {"name": family, "model": str(compiled_model(family)), "num_replicas": 1}
         for family in FAMILIES
     ]
-    app = start_app({"models": models}, free_port(), Path())
+    whisper = resolve_compiled_dir(build_tiny_whisper(), CompileSettings(batch_size=4))
+    models.append({"name": "whisper", "model": str(whisper), "num_replicas": 1})
+    for family in POOLING:
+        engine: dict = {"max_model_len": EMBED_MAX_LEN}
+        record = POOLING_DECODERS.get(family)
+        if record is not None:  # a decoder checkpoint, served as vLLM serves it: --runner
+            engine["runner"] = "pooling"
+            if record.hf_overrides:
+                engine["hf_overrides"] = dict(record.hf_overrides)
+        models.append(
+            {
+                "name": family,
+                "model": str(model_dir(family)),  # compiled at start (cached by test_embeddings)
+                "compile": {"batch_size": EMBED_BATCH, "max_seq_len": EMBED_MAX_LEN},
+                "engine_kwargs": engine,
+                "num_replicas": 1,
+            }
+        )
+    config = {
+        "limits": {"max_audio_seconds": MAX_AUDIO_S, "max_request_bytes": MAX_BYTES},
+        "models": models,
+    }
+    app = start_app(config, free_port(), Path(whisper), devices=len(models))
     try:
         yield app
     finally:
@@ -73,3 +119,185 @@ def test_openai_client_concurrent_greedy_matches_transformers(
         model=family, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, stream=True
     )
     assert "".join(c.choices[0].text for c in streamed) == expected[0]
+
+
+# ------------------------------------------------------------------ speech and pooling
+@pytest.fixture(scope="module")
+def wav_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("clips")
+    paths = {}
+    for name, data in clips().items():
+        paths[name] = root / f"{name}.wav"
+        paths[name].write_bytes(data)
+    return paths
+
+
+def expected_text(wav: bytes, prompt: str) -> str:
+    """What vLLM's server answers for a clip: the text of each 30-second window's greedy
+    tokens (transformers' reference), joined by spaces. The text as vLLM's detokenizer makes
+    it (the tokenizers library's decode, which keeps timestamp tokens: they are not special;
+    ``WhisperTokenizer.decode`` would drop them)."""
+    from transformers import AutoTokenizer
+
+    from rbln_ray.models import build_tiny_whisper
+
+    model = build_tiny_whisper()
+    pieces = chunks(wav)
+    tokens = reference(model, pieces, [prompt] * len(pieces), [SPEECH_MAX_TOKENS] * len(pieces))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    decode = tokenizer.backend_tokenizer.decode
+    return " ".join(decode(t, skip_special_tokens=True) for t in tokens)
+
+
+def client(app: RunningApp):
+    import openai
+
+    return openai.OpenAI(base_url=f"{app.url}/v1", api_key="none", max_retries=0)
+
+
+def test_transcriptions_equal_transformers_greedy_text(zoo_app, wav_files) -> None:
+    """Every clip at once (they share the decoder's rows), through the openai client."""
+    api = client(zoo_app)
+    transcribe = PROMPT.format(lang="en", task="transcribe")
+    with concurrent.futures.ThreadPoolExecutor(len(wav_files)) as pool:
+        futures = {}
+        for name, path in wav_files.items():
+            with path.open("rb") as f:
+                futures[name] = pool.submit(
+                    api.audio.transcriptions.create,
+                    model="whisper",
+                    file=(path.name, f.read()),
+                    language="en",
+                    response_format="json",
+                    extra_body={"max_completion_tokens": SPEECH_MAX_TOKENS},
+                )
+        got = {name: f.result().text for name, f in futures.items()}
+    for name, path in wav_files.items():
+        assert got[name] == expected_text(path.read_bytes(), transcribe), name
+    assert len(set(got.values())) == len(got)  # the clips are told apart
+
+
+def test_translation_and_streaming_follow_vllm(zoo_app, wav_files) -> None:
+    api = client(zoo_app)
+    wav = wav_files["tone-3s"].read_bytes()
+    translated = api.audio.translations.create(
+        model="whisper",
+        file=("a.wav", wav),
+        extra_body={"language": "en", "max_completion_tokens": SPEECH_MAX_TOKENS},
+    )
+    assert translated.text == expected_text(wav, PROMPT.format(lang="en", task="translate"))
+    # response_format="text": `vllm serve` answers it with the JSON body too (its router
+    # returns every non-streamed response as JSON); the client hands back the raw body
+    transcribe = PROMPT.format(lang="en", task="transcribe")
+    raw = api.audio.transcriptions.create(
+        model="whisper",
+        file=("a.wav", wav),
+        language="en",
+        response_format="text",
+        extra_body={"max_completion_tokens": SPEECH_MAX_TOKENS},
+    )
+    assert json.loads(raw)["text"] == expected_text(wav, transcribe)
+    # vLLM streams chat-like SSE chunks (choices[0].delta.content), then [DONE]
+    form = {"model": "whisper", "language": "en", "stream": "true", "max_completion_tokens": "40"}
+    deltas = []
+    with httpx.stream(
+        "POST",
+        f"{zoo_app.url}/v1/audio/transcriptions",
+        data=form,
+        files={"file": ("a.wav", wav, "audio/wav")},
+        timeout=300,
+    ) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        for choice in json.loads(line[6:]).get("choices", []):
+            deltas.append(choice.get("delta", {}).get("content") or "")
+    assert "".join(deltas) == expected_text(wav, transcribe)
+    # no language: vLLM detects it first (one more engine request, its token constrained to
+    # the language tokens by vLLM's sampler), then transcribes in it
+    from rbln_ray.models import build_tiny_whisper
+    from tests.speech import detected_language
+
+    verbose = api.audio.transcriptions.create(
+        model="whisper",
+        file=("a.wav", wav),
+        response_format="verbose_json",
+        extra_body={"max_completion_tokens": SPEECH_MAX_TOKENS},
+    )
+    lang = detected_language(build_tiny_whisper(), chunks(wav)[0])
+    assert verbose.language == lang and abs(verbose.duration - 3.0) < 0.01
+
+
+def test_new_pooling_families_through_the_serve_routes_equal_vllm_cpu(zoo_app) -> None:
+    """``/v1/embeddings`` (openai client), ``/v1/score`` and ``/v1/rerank`` of each family
+    equal plain vLLM-CPU's on the same weights."""
+    from tests.embeddings import QUERY, TEXTS, assert_embeddings_match
+    from tests.helpers import vllm_embeddings
+    from tests.vllm_plugin.test_embeddings import FAMILIES, model_dir
+
+    dirs = {f: model_dir(f) for f in POOLING}
+    overrides = {
+        str(dirs[f]): dict(POOLING_DECODERS[f].hf_overrides)
+        for f in POOLING
+        if f in POOLING_DECODERS and POOLING_DECODERS[f].hf_overrides
+    }
+    plain = vllm_embeddings(list(dirs.values()), TEXTS, QUERY, hf_overrides=overrides)
+    api = client(zoo_app)
+    for family in POOLING:
+        want = plain[dirs[family]]
+        if FAMILIES[family].task == "embed":
+            got = api.embeddings.create(model=family, input=TEXTS)
+            assert_embeddings_match([d.embedding for d in got.data], want["embeddings"])
+        else:
+            r = httpx.post(
+                f"{zoo_app.url}/v1/rerank",
+                json={"model": family, "query": QUERY, "documents": TEXTS},
+                timeout=300,
+            )
+            assert r.status_code == 200, r.text
+            ranked = {d["index"]: d["relevance_score"] for d in r.json()["results"]}
+            assert all(abs(ranked[i] - s) < 1e-4 for i, s in enumerate(want["scores"])), family
+        r = httpx.post(
+            f"{zoo_app.url}/v1/score",
+            json={"model": family, "text_1": QUERY, "text_2": TEXTS},
+            timeout=300,
+        )
+        assert r.status_code == 200, r.text
+        scores = [d["score"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
+        assert all(abs(a - b) < 1e-4 for a, b in zip(scores, want["scores"], strict=True)), family
+
+
+def _bad_uploads() -> list[tuple[str, str, tuple, int, str]]:
+    """(what, model, file part, status, a phrase of the message)."""
+    from rbln_ray.models.speech import tone_clip, wav_bytes
+    from tests.unit.test_audio_policy import png_bytes, wav_with_codec
+
+    short = wav_bytes(tone_clip(1.0, 440))
+    return [
+        ("text file", "whisper", ("a.wav", b"not audio\n" * 50), 400, "not audio"),
+        ("image", "whisper", ("a.png", png_bytes()), 400, "no audio stream"),
+        ("codec", "whisper", ("a.wav", wav_with_codec(0x1234)), 400, "codec"),
+        ("too long", "whisper", ("a.wav", wav_bytes(tone_clip(50.0, 440))), 400, "max_audio"),
+        ("too big", "whisper", ("a.wav", b"\0" * (MAX_BYTES + 1)), 413, "exceeds"),
+        # the embedder's vLLM app has no such route: vllm serve's 404, naming its tasks
+        ("embedder", "modernbert", ("a.wav", short), 404, "does not serve POST /v1/audio"),
+    ]
+
+
+def test_bad_uploads_get_openai_style_4xx_and_the_app_keeps_serving(zoo_app, wav_files) -> None:
+    for what, model, file, status, needle in _bad_uploads():
+        r = httpx.post(
+            f"{zoo_app.url}/v1/audio/transcriptions",
+            data={"model": model},
+            files={"file": file},
+            timeout=120,
+        )
+        assert r.status_code == status, (what, r.text)
+        error = r.json()["error"]
+        assert error["code"] == status and error["type"], (what, error)
+        assert needle in error["message"], (what, error["message"])
+    ok = client(zoo_app).audio.transcriptions.create(
+        model="whisper", file=("a.wav", wav_files["tone-3s"].read_bytes()), language="en"
+    )
+    assert ok.text

@@ -74,3 +74,69 @@ def test_verify_cost_is_a_decode_at_width_one_and_nearly_free_while_bandwidth_bo
     assert expected_tokens(1.0, 4) == 5
     assert expected_tokens(0.0, 4) == 1
     assert abs(expected_tokens(0.6, 4) - (1 - 0.6**5) / 0.4) < 1e-12
+
+
+def test_whisper_calls_by_hand() -> None:
+    """A tiny Whisper's encoder and decoder calls, the formula worked by hand
+    (rbln_ray.npu.speech_cost), on a device of round numbers."""
+    from rbln_ray.npu.cost_model import DeviceSpec
+    from rbln_ray.npu.speech_cost import SpeechShape, decoder_cost, encoder_cost
+
+    spec = DeviceSpec(
+        peak_flops=1e12, dram_bytes_per_s=1e9, compute_eff=1, dram_eff=1, call_overhead_s=0
+    )
+    s = SpeechShape(d_model=4, encoder_layers=1, decoder_layers=1, heads=1, encoder_ffn=8,
+                    decoder_ffn=8, vocab_size=10, num_mel_bins=2, source_positions=3)  # fmt: skip
+    enc = encoder_cost(s, spec)
+    # conv 2*3*2*4*6 + 2*3*4*4*3 = 288 + 288; linear 2*1*(64+64)*3 = 768;
+    # attention 4*1*4*9 = 144; cross projection 2*(1*2*16)*3 = 192
+    assert enc.flops == 288 + 288 + 768 + 144 + 192
+    # weights (128 + 3*2*4+3*16 + 32) * 2 = 464; activations 1*3*(24+16)*2 = 240, mel 6*2*4 = 48;
+    # cross KV written 2*1*3*4*2 = 48
+    assert enc.bytes == 464 + 240 + 48 + 48
+    dec = decoder_cost(s, [0, 5], spec)
+    # linear 2*1*(96+64)*2 = 640; head 2*10*4*2 = 160; self 4*1*4*(1+6) = 112;
+    # cross 4*1*4*3*2 = 96
+    assert dec.flops == 640 + 160 + 112 + 96
+    # weights (160 + 40)*2 = 400; self KV 16*(5+2) = 112; cross KV 48*2 = 96;
+    # activations 1*2*(32+16)*2 + 2*10*4 = 272
+    assert dec.bytes == 400 + 112 + 96 + 272
+    assert dec.seconds == max(dec.flops / 1e12, dec.bytes / 1e9)
+
+
+def test_timing_mode_models_whisper_graphs_by_their_own_shape(tmp_path, monkeypatch) -> None:
+    """A Whisper directory's graphs get the speech cost model: its own config, or a Whisper
+    preset named by RBLN_RAY_TIMING_SHAPE; a decoder preset there is refused by name."""
+    import json
+    from types import SimpleNamespace
+
+    import pytest
+
+    from rbln_ray.emulator.speech_timing import SpeechGraphTiming, speech_shape_of
+    from rbln_ray.npu.speech_cost import PRESETS
+
+    cfg = {"model_type": "whisper", "d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
+           "decoder_attention_heads": 1, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+           "vocab_size": 100, "num_mel_bins": 80, "max_source_positions": 1500}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    decoder = SimpleNamespace(
+        path=str(tmp_path / "decoder.rbln"),
+        input_info=[("decoder_input_ids", [4, 1], "int64"), ("cache_position", [4, 1], "int32")],
+    )
+    monkeypatch.delenv("RBLN_RAY_TIMING_SHAPE", raising=False)
+    assert speech_shape_of(decoder).d_model == 64
+    monkeypatch.setenv("RBLN_RAY_TIMING_SHAPE", "whisper-large-v3")
+    timing = SpeechGraphTiming(decoder, speech_shape_of(decoder))
+    import torch
+
+    ids, pos = torch.zeros(4, 1, dtype=torch.long), torch.tensor([[0], [9], [0], [0]])
+    cost = timing.cost((ids, pos))
+    assert (
+        cost.breakdown["bytes_cross_kv_read"]
+        == 4 * PRESETS["whisper-large-v3"].cross_kv_bytes_per_row
+    )
+    monkeypatch.setenv("RBLN_RAY_TIMING_SHAPE", "llama-3-8b")
+    with pytest.raises(ValueError, match="names no speech model"):
+        speech_shape_of(decoder)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert speech_shape_of(decoder) is None

@@ -19,6 +19,8 @@ from rbln_ray.families.registry import (
     ENCODERS,
     GREEDY_TEST,
     LLM_GREEDY_TEST,
+    POOLING_DECODERS,
+    SPEECH,
     UNSUPPORTED,
     VISION,
     UnsupportedModelError,
@@ -42,7 +44,7 @@ def _cli_logging_per_test() -> Iterator[None]:
     logger.handlers[:], logger.propagate, logger.level = saved[0], saved[1], saved[2]
 
 
-@pytest.mark.parametrize("kind", ["decoders", "encoders", "vision"])
+@pytest.mark.parametrize("kind", ["decoders", "encoders", "vision", "speech"])
 def test_readme_support_matrices_are_the_registry(kind: str) -> None:
     readme = (ROOT / "README.md").read_text()
     assert matrix.matrices()[kind] in readme, (
@@ -68,7 +70,7 @@ def test_every_verified_claim_is_a_test_case() -> None:
     # every family is verified under at least one attention implementation, and the tests
     # named by the other kinds' records exist
     assert all(fam.verified_by for fam in DECODERS.values())
-    for fam in [*ENCODERS.values(), *VISION.values()]:
+    for fam in [*ENCODERS.values(), *VISION.values(), *POOLING_DECODERS.values(), *SPEECH.values()]:
         for ref in fam.verified_by.values():
             assert (ROOT / ref.partition("::")[0]).is_file(), (fam.name, ref)
 
@@ -221,16 +223,21 @@ def test_every_record_names_real_classes_and_consumers_read_the_registry() -> No
     """Each record's optimum-rbln classes exist in the installed optimum-rbln and its
     transformers architecture in transformers; ``rbln-ray build-model`` offers exactly the
     registry's families; vLLM gets a declaration for exactly the records that name one."""
-    import optimum.rbln
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     from rbln_ray.cli.main import parser
+    from rbln_ray.emulator import ensure_runtime
     from rbln_ray.families.registry import FAMILIES
     from rbln_ray.vllm_plugin import declarations
 
+    ensure_runtime()  # optimum-rbln imports rebel
+    import optimum.rbln
+
+    from rbln_ray.upstream.optimum_models import rbln_class
+
     for fam in FAMILIES.values():
-        assert hasattr(optimum.rbln, fam.optimum_class), fam.optimum_class
+        assert rbln_class(fam.optimum_class), fam.optimum_class  # optimum's, or rbln-ray's
         assert hasattr(transformers, fam.architecture), fam.architecture
     for fam in VISION.values():
         assert hasattr(optimum.rbln, fam.vision_tower), fam.vision_tower
