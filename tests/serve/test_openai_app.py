@@ -50,7 +50,7 @@ def test_openai_client_greedy_matches_transformers(demo_app: RunningApp) -> None
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat_expected
 
     models = sorted(m.id for m in client.models.list().data)
-    assert models == ["demo", "embed", "qwen", "qwen-a", "qwen-b", "qwen-vl", "vision"]
+    assert models == ["demo", "embed", "qwen", "qwen-a", "qwen-b", "qwen-vl", "spec", "vision"]
 
 
 def test_requests_are_routed_by_model_field(demo_app: RunningApp) -> None:
