@@ -60,7 +60,10 @@ def check_request(vllm_config: VllmConfig) -> None:
     model_config = vllm_config.model_config
     method = model_config.quantization
     own = (getattr(model_config.hf_config, "quantization_config", None) or {}).get("quant_method")
-    if method not in (None, METHOD) and own not in OTHER_PATHS:
+    # vLLM names GPT-OSS's MXFP4 experts gpt_oss_mxfp4 even for a checkpoint without a
+    # quantization_config: the family's compile serves them (custom_moe_glu_mxfp4)
+    other = own in OTHER_PATHS or any(path in str(method) for path in OTHER_PATHS)
+    if method not in (None, METHOD) and not other:
         raise RBLNQuantizationError(
             f"quantization={method!r}: vLLM's own quantization does not run on RBLN (the "
             "compiled graphs compute the model); serve a pre-quantized checkpoint "
