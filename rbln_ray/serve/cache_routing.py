@@ -50,7 +50,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from rbln_ray.serve.kv_events import STATS_BLOCK_SIZE, STATS_BLOCKS, STATS_EVENTS
 from rbln_ray.serve.kv_index import chain_hashes, held_prefix
-from rbln_ray.serve.routing import PREFIX_CHARS, pinned, rank, required_replica
+from rbln_ray.serve.routing import PREFIX_CHARS, fixed_choice, rank
 
 logger = logging.getLogger(__name__)
 
@@ -340,11 +340,9 @@ class CacheAwareRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        if pending_request is None or not pending_request.args:
-            return [candidate_replicas]
-        replica = required_replica(pending_request)  # a stored Responses API response's
-        if replica:
-            return pinned(candidate_replicas, replica)
+        fixed = fixed_choice(candidate_replicas, pending_request)  # e.g. a stored response's
+        if fixed is not None:
+            return fixed
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if by_id.keys() != self._live:  # Serve passes every running replica
             self._live = set(by_id)

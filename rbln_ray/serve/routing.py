@@ -51,6 +51,17 @@ def pinned(candidates: list[RunningReplica], replica: str) -> list[list[RunningR
     return [chosen] if chosen else [candidates]
 
 
+def fixed_choice(
+    candidates: list[RunningReplica], pending_request: PendingRequest | None
+) -> list[list[RunningReplica]] | None:
+    """The choice no routing policy weighs, else None: a call without arguments (Serve's
+    own) may go to any replica, one that names its replica goes there (:func:`pinned`)."""
+    if pending_request is None or not pending_request.args:
+        return [candidates]
+    replica = required_replica(pending_request)
+    return pinned(candidates, replica) if replica else None
+
+
 def rank(prefix: str, replica_ids: list[str]) -> list[str]:
     """Replica ids ordered by rendezvous hash with ``prefix`` (most preferred first)."""
 
@@ -77,11 +88,9 @@ class PrefixAffinityRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        if pending_request is None or not pending_request.args:
-            return [candidate_replicas]
-        replica = required_replica(pending_request)
-        if replica:
-            return pinned(candidate_replicas, replica)
+        fixed = fixed_choice(candidate_replicas, pending_request)
+        if fixed is not None:
+            return fixed
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         order = rank(prompt_prefix(pending_request.args[0]), list(by_id))
         return [[by_id[replica_id]] for replica_id in order]
