@@ -103,6 +103,8 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     ),
     Requirement("vllm.v1.request:Request.num_output_placeholders", SCHED_PY, "instance attribute"),
     Requirement("vllm.v1.request:Request.is_prefill_chunk", SCHED_PY, "instance attribute"),
+    # its prompt's full blocks' prefix-cache hashes (scheduler._prefix_in_flight)
+    Requirement("vllm.v1.request:Request.block_hashes", SCHED_PY, "instance attribute"),
     Requirement(
         f"{SCHEDULER}.grammar_compile_error_reqs",
         f"{SCHED_PY} (finish_with_error)",

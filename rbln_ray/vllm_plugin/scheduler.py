@@ -11,8 +11,10 @@ only while ``len(running) < max_num_running_reqs``, so choosing what it sees per
 - **decode step**: it sees only the decoding requests and may admit nothing.
 
 A waiting request starts its prefill as soon as a compiled batch slot is free (continuous
-batching, as before chunking). Between two chunks of a longer prompt at least
-``decode_steps_between_chunks`` decode steps run while requests are decoding
+batching, as before chunking), unless a prompt being prefilled has yet to compute blocks of a
+prefix the two share: that prompt's chunks go first, so the waiting request finds the whole
+prefix in the cache instead of computing part of it again. Between two chunks of a longer
+prompt at least ``decode_steps_between_chunks`` decode steps run while requests are decoding
 (:class:`~rbln_ray.vllm_plugin.options.RBLNOptions`), so a long prompt delays each decode by at
 most one chunk, every few tokens, instead of stalling the batch for its whole prefill. With
 several prompts in prefill, the one closest to its first token goes first.
@@ -142,17 +144,41 @@ class _RBLNScheduling:
         first = -(-min(request.num_tokens, self.step_tokens) // self.block_size)
         return self.kv_cache_manager.block_pool.get_num_free_blocks() >= first
 
-    def _next_chunk(self, prefilling: list[Request]) -> Request | None:
-        """The prefilling request to advance: the one closest to its first token."""
-        request = min(prefilling, key=lambda r: r.num_tokens - r.num_computed_tokens)
+    def _next_chunk(self, prefilling: list[Request], sharer: Request | None) -> Request | None:
+        """The prefilling request to advance: ``sharer`` (:meth:`_prefix_in_flight`), else the
+        one closest to its first token."""
+        request = sharer or min(prefilling, key=lambda r: r.num_tokens - r.num_computed_tokens)
         end = self._reach(min(request.num_computed_tokens + self.step_tokens, request.num_tokens))
         needed = self.outer_blocks.new_blocks_needed(request.request_id, end)
         return request if self.outer_blocks.free_count() >= needed else None
 
+    def _prefix_in_flight(self, prefilling: list[Request]) -> Request | None:
+        """A prompt being prefilled whose next blocks the next waiting request shares.
+
+        vLLM caches a block once it is scheduled, so a request admitted now finds only the
+        blocks of a shared prefix scheduled so far and computes the rest itself (one more
+        prefill chunk for every such request, e.g. when a batch of prompts with one system
+        prompt arrives at once). Advancing that prompt's chunk first lets the waiting request
+        find the whole prefix. vLLM's own scheduler admits at once (a GPU step computes
+        several prompts' chunks together; an RBLN prefill step computes one)."""
+        if not self.cache_config.enable_prefix_caching or not vllm_internals.has_waiting(self):
+            return None
+        waiting = vllm_internals.next_waiting(self).block_hashes
+        for request in prefilling:
+            shared = 0
+            for mine, theirs in zip(waiting, request.block_hashes, strict=False):
+                if mine != theirs:
+                    break
+                shared += 1
+            if shared > request.num_computed_tokens // self.block_size:
+                return request
+        return None
+
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        """One step: start a waiting request's prefill when a slot is free, else the next
-        chunk of a prompt being prefilled once enough decode steps ran since the last chunk,
-        else decode every decoding request."""
+        """One step: start a waiting request's prefill when a slot is free (unless it shares
+        blocks a prompt being prefilled has yet to compute), else the next chunk of a prompt
+        being prefilled once enough decode steps ran since the last chunk, else decode every
+        decoding request."""
         self.outer_blocks.tick()
         self._release_missing()
         prefilling = [r for r in self.running if r.is_prefill_chunk]
@@ -160,8 +186,10 @@ class _RBLNScheduling:
         self._running_count = len(self.running)  # what scheduler_view hides from vLLM
         gap = self.options.decode_steps_between_chunks
         chunk_due = not decoding or self._decodes_since_prefill >= gap
-        chunk = self._next_chunk(prefilling) if prefilling and chunk_due else None
-        if not self._prefill_stalled and self._prefill_can_start():
+        sharer = self._prefix_in_flight(prefilling) if prefilling else None
+        chunk = self._next_chunk(prefilling, sharer) if prefilling and chunk_due else None
+        # A waiting request that shares blocks still to be prefilled waits for them.
+        if sharer is None and not self._prefill_stalled and self._prefill_can_start():
             kind, visible, limit = "prefill", [], 1
         elif chunk is not None and not self._prefill_stalled:
             kind, visible, limit = "prefill", [chunk], 1

@@ -94,6 +94,38 @@ def test_prefix_hit_is_adopted_or_copied(artifact: Path) -> None:
     assert out.rbln_plan.copies == [] and out.num_scheduled_tokens["c"] == 301 - 256
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompts_sharing_a_prefix_wait_for_it_instead_of_computing_it(
+    artifact: Path, async_scheduling: bool
+) -> None:
+    """Four prompts with one 300-token prefix (two full 128-token blocks) arrive together.
+    vLLM caches a block once it is scheduled, so a prompt admitted after the first one's
+    first chunk would find one block and compute the second itself (peer benchmark: one
+    prefill call more than vllm-rbln on ``shared_prefix``). Each later prompt must find
+    both blocks and prefill only its own 45 tokens: 3 + 3 x 1 prefill steps."""
+    h = Harness(artifact, async_scheduling=async_scheduling)
+    shared = list(range(100, 400))
+    for i in range(BATCH):
+        h.add(f"r{i}", shared + [i + 1], max_tokens=3)
+    h.run()
+    prefills = [s for kind, s in h.steps if kind == "prefill"]
+    assert [s["r0"] for s in prefills if "r0" in s] == [CHUNK, CHUNK, 301 - 2 * CHUNK]
+    for i in range(1, BATCH):
+        assert [s[f"r{i}"] for s in prefills if f"r{i}" in s] == [301 - 2 * CHUNK], h.steps
+    assert len(prefills) == 3 + (BATCH - 1)
+
+
+def test_unrelated_prompts_are_admitted_while_another_is_prefilled(artifact: Path) -> None:
+    """Waiting for a prefix applies only to prompts that share one: an unrelated prompt still
+    starts as soon as a slot is free (its first chunk before the long prompt's second)."""
+    h = Harness(artifact, async_scheduling=False)
+    h.add("long", list(range(100, 400)), max_tokens=3)
+    h.add("other", list(range(500, 520)), max_tokens=3)
+    h.run()
+    order = [next(iter(s)) for kind, s in h.steps if kind == "prefill"]
+    assert order[:2] == ["long", "other"], h.steps
+
+
 def test_decode_rows_never_exceed_the_compiled_batch(tmp_path: Path) -> None:
     # A KV cache for two micro-batches (a pipeline's artifact): 8 sequences in flight,
     # decode graphs of 4 rows.
