@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from vllm.config import VllmConfig
 from vllm.sampling_params import SamplingType
-from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.core.sched.output import GrammarOutput, NewRequestData, SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
@@ -174,6 +174,37 @@ class Speculator:
     drafter: Any  # spec.proposers.NgramDrafter | DraftModelDrafter
 
 
+def new_request_state(new: NewRequestData) -> CachedRequestState:
+    """vLLM's per-request state of a newly scheduled request, as its GPU runner builds it
+    (a seeded generator when the sampling parameters carry a seed)."""
+    params = new.sampling_params
+    generator = None
+    if params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(params.seed)
+    return CachedRequestState(
+        req_id=new.req_id,
+        prompt_token_ids=new.prompt_token_ids,
+        mm_features=list(new.mm_features or []),
+        sampling_params=params,
+        generator=generator,
+        block_ids=tuple(list(ids) for ids in new.block_ids),
+        num_computed_tokens=new.num_computed_tokens,
+        output_token_ids=[],
+        lora_request=new.lora_request,
+    )
+
+
+def take_blocks(state: CachedRequestState, new_blocks: Any, resumed: bool) -> None:
+    """A running request's KV blocks after a step's schedule: a resumed (preempted) request
+    gets its whole list anew, a running one the blocks appended this step."""
+    if resumed:
+        state.block_ids = tuple(list(ids) for ids in new_blocks)
+    elif new_blocks is not None:
+        for ids, extra in zip(state.block_ids, new_blocks, strict=True):
+            ids.extend(extra)
+
+
 class RBLNModelRunner:
     """Drives one loaded optimum-rbln decoder model for a vLLM engine."""
 
@@ -285,22 +316,7 @@ class RBLNModelRunner:
             if forget is not None:
                 forget(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
-            params = new.sampling_params
-            generator = None
-            if params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
-                generator = torch.Generator(device="cpu")
-                generator.manual_seed(params.seed)
-            state = CachedRequestState(
-                req_id=new.req_id,
-                prompt_token_ids=new.prompt_token_ids,
-                mm_features=list(new.mm_features or []),
-                sampling_params=params,
-                generator=generator,
-                block_ids=tuple(list(ids) for ids in new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                output_token_ids=[],
-                lora_request=new.lora_request,
-            )
+            state = new_request_state(new)
             self.requests[new.req_id] = state
             self.lora.admit(new.req_id, new.lora_request)
             if batch is not None:
@@ -316,12 +332,7 @@ class RBLNModelRunner:
                 unseen = state.num_computed_tokens + len(tokens) - state.num_tokens
                 if unseen > 0:
                     state.output_token_ids.extend(tokens[-unseen:])
-            new_blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                state.block_ids = tuple(list(ids) for ids in new_blocks)
-            elif new_blocks is not None:
-                for ids, extra in zip(state.block_ids, new_blocks, strict=True):
-                    ids.extend(extra)
+            take_blocks(state, cached.new_block_ids[i], req_id in cached.resumed_req_ids)
             if batch is not None and req_id not in batch.req_id_to_index:
                 batch.add_request(state)
 

@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 from vllm.config import VllmConfig
-from vllm.sampling_params import SamplingType
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
@@ -41,7 +40,7 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from rbln_ray.compile.speech import SpeechArtifact
 from rbln_ray.upstream import vllm_internals
-from rbln_ray.vllm_plugin.model_runner import StepStats
+from rbln_ray.vllm_plugin.model_runner import StepStats, new_request_state, take_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -98,33 +97,14 @@ class RBLNSpeechRunner:
             if req_id not in so.num_scheduled_tokens:
                 batch.remove_request(req_id)
         for new in so.scheduled_new_reqs:
-            params = new.sampling_params
-            generator = None
-            if params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
-                generator = torch.Generator(device="cpu")
-                generator.manual_seed(params.seed)
-            state = CachedRequestState(
-                req_id=new.req_id,
-                prompt_token_ids=new.prompt_token_ids,
-                mm_features=list(new.mm_features or []),
-                sampling_params=params,
-                generator=generator,
-                block_ids=tuple(list(ids) for ids in new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                output_token_ids=[],
-            )
+            state = new_request_state(new)
             self.requests[new.req_id] = state
             batch.add_request(state)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]
-            new_blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                state.block_ids = tuple(list(ids) for ids in new_blocks)
-            elif new_blocks is not None:
-                for ids, extra in zip(state.block_ids, new_blocks, strict=True):
-                    ids.extend(extra)
+            take_blocks(state, cached.new_block_ids[i], req_id in cached.resumed_req_ids)
             if req_id not in batch.req_id_to_index:
                 batch.add_request(state)
         batch.condense()

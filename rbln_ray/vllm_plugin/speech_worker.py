@@ -10,14 +10,11 @@ transcription only (as vLLM's own runner reports for Whisper).
 
 from __future__ import annotations
 
-import torch
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-
 from rbln_ray.compile.speech import SpeechArtifact
 from rbln_ray.vllm_plugin.loader import load_compiled_model
 from rbln_ray.vllm_plugin.platform import compiled_model
 from rbln_ray.vllm_plugin.speech_runner import RBLNSpeechRunner
-from rbln_ray.vllm_plugin.worker import KV_LAYER, RBLNWorker
+from rbln_ray.vllm_plugin.worker import RBLNWorker
 
 
 class RBLNSpeechWorker(RBLNWorker):
@@ -41,25 +38,10 @@ class RBLNSpeechWorker(RBLNWorker):
         """A step's inputs need the previous step's tokens: nothing to build ahead."""
         return None
 
-    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        spec = FullAttentionSpec(
-            block_size=self.artifact.kvcache_block_size,
-            num_kv_heads=1,
-            head_size=1,
-            dtype=torch.float32,
-        )
-        return {KV_LAYER: spec}
-
-    def determine_available_memory(self) -> int:
-        spec = self.get_kv_cache_spec()[KV_LAYER]
-        return (self.artifact.batch_size + 1) * spec.page_size_bytes
-
-    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
-        if kv_cache_config.num_blocks != self.artifact.batch_size + 1:
-            raise RuntimeError(
-                f"vLLM planned {kv_cache_config.num_blocks} KV blocks; the compiled speech "
-                f"model has {self.artifact.batch_size} rows (+1 null block)"
-            )
+    def _kv_blocks(self) -> tuple[int, int, str]:
+        rows = self.artifact.batch_size
+        held = f"the compiled speech model has {rows} rows"
+        return self.artifact.kvcache_block_size, rows, held
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         return ("transcription",)

@@ -100,9 +100,17 @@ class RBLNWorker(CompiledLoRAWorker, WorkerBase):
         """The drafts proposed after the last step (vLLM's synchronous engine asks)."""
         return self.model_runner.take_draft_token_ids()
 
+    def _kv_blocks(self) -> tuple[int, int, str]:
+        """(tokens per vLLM block, vLLM blocks the compiled cache holds, what holds them):
+        vLLM plans exactly that many (+1 null block), never a memory-derived number."""
+        layout = self.layout
+        held = f"the compiled model's {layout.num_outer} RBLN blocks hold {layout.num_inner}"
+        return layout.inner_size, layout.num_inner, held
+
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        block_size, _, _ = self._kv_blocks()
         spec = FullAttentionSpec(
-            block_size=self.layout.inner_size,
+            block_size=block_size,
             num_kv_heads=1,
             head_size=1,
             dtype=torch.float32,
@@ -111,14 +119,13 @@ class RBLNWorker(CompiledLoRAWorker, WorkerBase):
 
     def determine_available_memory(self) -> int:
         spec = self.get_kv_cache_spec()[KV_LAYER]
-        return (self.layout.num_inner + 1) * spec.page_size_bytes
+        return (self._kv_blocks()[1] + 1) * spec.page_size_bytes
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
-        if kv_cache_config.num_blocks != self.layout.num_inner + 1:
+        _, blocks, held = self._kv_blocks()
+        if kv_cache_config.num_blocks != blocks + 1:
             raise RuntimeError(
-                f"vLLM planned {kv_cache_config.num_blocks} KV blocks; the compiled model's "
-                f"{self.layout.num_outer} RBLN blocks hold {self.layout.num_inner} "
-                "(+1 null block)"
+                f"vLLM planned {kv_cache_config.num_blocks} KV blocks; {held} (+1 null block)"
             )
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
