@@ -154,18 +154,25 @@ def test_worker_kill_under_16_streams_retries_unstarted_requests(tiny_app: Runni
     check_terminal_and_recovery(tiny_app, outcomes, fault_at, "worker kill")
 
 
+def both_batches_full(app: RunningApp) -> bool:
+    """Every slot of both replicas' compiled batches in use, asked of the engines themselves.
+
+    Not from Ray's metrics export: a replica replaced by an earlier test can leave its last
+    ``rbln_slots_in_use`` there for a while, which let a fault land before the live replicas
+    held any request (then nothing was there to retry)."""
+    stats = replica_stats(app)
+    first_ranks = [replica["steps"][0] for replica in stats.values()]
+    return len(stats) == 2 and all(s["slots_in_use"] == s["batch_size"] for s in first_ranks)
+
+
 async def requests_with_fault(app: RunningApp, n: int, fault) -> tuple[list[dict], object]:
     """``n`` concurrent non-streaming completions; ``await fault()`` once both replicas hold
-    a full batch (8 slots in use: the victim has requests decoding and more waiting in its
-    engine). Returns the outcomes and what the fault returned."""
+    a full batch (the victim has requests decoding and more waiting in its engine). Returns
+    the outcomes and what the fault returned."""
     async with httpx.AsyncClient(timeout=300) as client:
         tasks = [asyncio.create_task(complete_one(client, app.url, i)) for i in range(n)]
         await asyncio.to_thread(
-            wait_until,
-            lambda: metric_sum("ray_rbln_slots_in_use", model=MODEL) >= 8,
-            120,
-            0.2,
-            "both replicas decoding",
+            wait_until, lambda: both_batches_full(app), 120, 0.2, "both replicas decoding"
         )
         caused = await fault()
         return await asyncio.gather(*tasks), caused
