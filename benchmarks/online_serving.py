@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
 import time
 
 from benchmarks import common
@@ -64,48 +63,12 @@ def serve_runs(compiled, prompts, concurrencies, args) -> dict:
 
 
 def vllm_serve_runs(hf_dir, prompts, concurrencies, args) -> dict:
-    port = common.free_port()
-    env = common.base_env(
-        RBLN_RAY_DEVICE="auto",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND="nobind",
-    )
-    cmd = [
-        common.PYTHON,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(hf_dir),
-        "--served-model-name",
-        "demo",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(args.max_seq_len),
-        "--max-num-seqs",
-        str(args.batch),
-        "--gpu-memory-utilization",
-        "0.2",
-        "--enforce-eager",
-        "--no-enable-prefix-caching",
-        "--seed",
-        "0",
-    ]
-    log = open(common.RESULTS / "vllm_serve.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=common.ROOT)
-    try:
-        return http_runs("vllm-serve", f"http://127.0.0.1:{port}", prompts, concurrencies, args)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    options = ["--max-model-len", str(args.max_seq_len), "--max-num-seqs", str(args.batch)]
+    log = common.RESULTS / "vllm_serve.log"
+    with common.vllm_serve(
+        hf_dir, "demo", [*options, "--no-enable-prefix-caching"], log=log
+    ) as url:
+        return http_runs("vllm-serve", url, prompts, concurrencies, args)
 
 
 def inprocess_runs(backend, model, concurrencies, args, executor: str = "uni") -> dict:

