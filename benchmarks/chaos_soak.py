@@ -43,7 +43,7 @@ from typing import Any
 from benchmarks import common
 
 APP = "rbln-ray"
-MODEL = "tiny"
+MODEL = "demo"  # the name common.deploy_serve_app gives the model
 DEPLOYMENT = f"LLMServer:{MODEL}"
 FAULTS = (
     "worker_kill",
@@ -118,22 +118,26 @@ async def clients(
 
 # ----------------------------------------------------------------------------- faults
 def replicas() -> list[dict]:
-    """engine_stats of every running replica (pid, actor name, worker pids)."""
-    import ray
+    """engine_stats of every running replica (pid, actor name, worker pids).
 
-    names = [
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["namespace"] == "serve" and f"#{DEPLOYMENT}#" in a["name"]
-    ]
-    found = []
-    for name in names:
+    Asked through Serve's deployment handle (a replica's actor exposes Serve's methods, not
+    the deployment's), which reaches one replica per call: calls repeat until each running
+    replica answered; one that does not answer within 10 s (e.g. its worker stopped) is
+    left out this time."""
+    from ray import serve
+
+    want = running_replicas()
+    handle = serve.get_deployment_handle(DEPLOYMENT, APP)
+    found: dict[str, dict] = {}
+    for _ in range(8 * max(want, 1)):
+        if len(found) >= want:
+            break
         try:
-            actor = ray.get_actor(name, namespace="serve")
-            found.append(ray.get(actor.engine_stats.remote(), timeout=10))
+            stats = handle.engine_stats.remote().result(timeout_s=10)
         except Exception:  # noqa: BLE001 - a replica going away right now
             continue
-    return found
+        found[stats["actor_name"]] = stats
+    return list(found.values())
 
 
 def running_replicas() -> int:
@@ -146,9 +150,9 @@ def running_replicas() -> int:
 
 
 def proxy_pid() -> int | None:
-    import ray
+    from ray.util.state import list_actors
 
-    for actor in ray.util.state.list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
         if actor.class_name == "ProxyActor":
             return actor.pid
     return None
@@ -217,7 +221,7 @@ class Chaos:
         return f"replica pid {replica['pid']}"
 
     def raylet_kill(self) -> str | None:
-        workers = [n for n in self.cluster.worker_nodes if n.all_processes_alive()]
+        workers = [n for n in self.cluster.worker_nodes if n.remaining_processes_alive()]
         if len(workers) < 2:  # keep one raylet with devices
             return None
         node = self.rng.choice(workers)
