@@ -165,15 +165,34 @@ def both_batches_full(app: RunningApp) -> bool:
     return len(stats) == 2 and all(s["slots_in_use"] == s["batch_size"] for s in first_ranks)
 
 
-async def requests_with_fault(app: RunningApp, n: int, fault) -> tuple[list[dict], object]:
-    """``n`` concurrent non-streaming completions; ``await fault()`` once both replicas hold
-    a full batch (the victim has requests decoding and more waiting in its engine). Returns
-    the outcomes and what the fault returned."""
+def engines_queue_beyond_their_batch(replicas: set[str], batch_size: int) -> bool:
+    """Each of ``replicas`` (Serve replica ids) runs a full batch and has requests waiting
+    in its engine: vLLM's own gauges in Ray's metrics export, read per replica id, so a
+    replaced replica's last values do not count. (Not ``engine_stats``: a replica holding
+    ``max_ongoing_requests`` takes no handle call until one of its requests ends.)"""
+    from tests.ray_metrics import samples
+
+    def per_replica(name: str) -> dict[str, float]:
+        return {
+            s.labels["ReplicaId"]: s.value
+            for s in samples(name)
+            if s.labels.get("model_name") == MODEL
+        }
+
+    running = per_replica("ray_vllm_num_requests_running")
+    waiting = per_replica("ray_vllm_num_requests_waiting")
+    return all(running.get(r) == batch_size and waiting.get(r, 0) >= 1 for r in replicas)
+
+
+async def requests_with_fault(
+    app: RunningApp, n: int, fault, ready=both_batches_full
+) -> tuple[list[dict], object]:
+    """``n`` concurrent non-streaming completions; ``await fault()`` once ``ready(app)``
+    (by default: both replicas hold a full batch, so the victim has requests decoding and
+    more waiting in its engine). Returns the outcomes and what the fault returned."""
     async with httpx.AsyncClient(timeout=300) as client:
         tasks = [asyncio.create_task(complete_one(client, app.url, i)) for i in range(n)]
-        await asyncio.to_thread(
-            wait_until, lambda: both_batches_full(app), 120, 0.2, "both replicas decoding"
-        )
+        await asyncio.to_thread(wait_until, lambda: ready(app), 120, 0.2, "replicas loaded")
         caused = await fault()
         return await asyncio.gather(*tasks), caused
 
@@ -233,9 +252,15 @@ def test_a_request_whose_step_raises_fails_alone_and_costs_one_replica(
     """A request whose device step raises (injected: RBLN_RAY_TEST_STEP_FAULT) gets a
     terminal 500 with an OpenAI body and is not retried (a retry would take a second replica
     down); the engine it broke fails, and the requests queued or decoding in it are retried
-    on the other replica: 12/12 succeed, one replica is replaced, the other never restarts."""
+    on the other replica: 13/13 succeed, one replica is replaced, the other never restarts.
+
+    The poison is sent once each engine also queues requests beyond its batch: whichever
+    replica it reaches, it is prefilled after them, so the engine it breaks holds requests
+    to retry (with none there, e.g. after a 8/4 split of 12 requests, nothing is retried)."""
     wait_until(lambda: len(replica_stats(tiny_app)) == 2, 300, 1, "both replicas up")
-    names = set(replica_stats(tiny_app))
+    stats = replica_stats(tiny_app)
+    names = set(stats)
+    batch = next(iter(stats.values()))["steps"][0]["batch_size"]
     before = retries(tiny_app)
 
     async def poison() -> httpx.Response:
@@ -243,11 +268,20 @@ def test_a_request_whose_step_raises_fails_alone_and_costs_one_replica(
         async with httpx.AsyncClient(timeout=300) as client:
             return await client.post(f"{tiny_app.url}/v1/completions", json=body)
 
-    outcomes, bad = asyncio.run(requests_with_fault(tiny_app, 12, poison))
+    # A replica takes at most 2 x batch requests (its max_ongoing_requests), so 3 x batch + 1
+    # put at least batch + 1 in each engine (one or more waiting wherever the poison lands)
+    # and leave room for the poison.
+    n = 3 * batch + 1
+    ids = {name.rsplit("#", 1)[1] for name in names}  # a replica actor's name ends in its id
+    outcomes, bad = asyncio.run(
+        requests_with_fault(
+            tiny_app, n, poison, lambda _: engines_queue_beyond_their_batch(ids, batch)
+        )
+    )
     assert bad.status_code == 500, bad.text
     assert bad.json()["error"]["code"] == 500 and bad.json()["error"]["message"]
     ok = [o for o in outcomes if o["status"] == 200 and o.get("tokens") == 300]
-    assert len(ok) == 12, [o for o in outcomes if o not in ok]
+    assert len(ok) == n, [o for o in outcomes if o not in ok]
     assert retries_after(tiny_app, before) >= 1  # the broken engine's requests went on
     wait_until(lambda: len(replica_stats(tiny_app)) == 2, 300, 1, "replica replaced")
     after = set(replica_stats(tiny_app))
