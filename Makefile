@@ -14,15 +14,21 @@ PROMETHEUS := $(BIN)/prometheus
 HAPROXY := $(BIN)/haproxy
 HAPROXY_DEBS := haproxy liblua5.3-0 libopentracing-c-wrapper0 libopentracing1
 
-.PHONY: setup install peer-env test test-fast test-smoke lint demo clean ssh-test-tools \
+.PHONY: setup install demo-model peer-env test test-fast test-smoke lint demo clean ssh-test-tools \
 	speech-test-tools
 
-setup: install $(PEER_STAMP) ssh-test-tools speech-test-tools $(PROMETHEUS) $(HAPROXY)
+setup: install demo-model $(PEER_STAMP) ssh-test-tools speech-test-tools $(PROMETHEUS) $(HAPROXY)
 
 # What a cluster node needs (the `ray up` configs' setup command): the stack, no test tools.
 install: $(STAMP) $(ALIAS_STAMP)
 
 peer-env: $(PEER_STAMP)
+
+# The embedded default (`make demo`, `rbln-ray serve` without a config; the demo app of the
+# tests and benchmarks): trained once into rbln-ray's cache (RBLN_RAY_CACHE, default
+# ~/.cache/rbln-ray), a few minutes; instant when it is there.
+demo-model: install
+	$(BIN)/rbln-ray build-model demo
 
 # Re-runs only when its inputs change (scripts/peer_env.sh explains each step).
 $(PEER_STAMP): requirements-peer.txt scripts/peer_env.sh scripts/peer_env/torchvision_ops.py
