@@ -6,14 +6,17 @@ plugin's defaults on a compiled directory; greedy, ``ignore_eos``; a warm-up on 
 share nothing with the measured ones (so prefix caching only helps where a workload shares).
 
 argv[1]: a JSON spec ``{"model": DIR, "warmup": [[ids]], "workloads": {name: {"prompts":
-[[ids]], "output_len": M}}}``. The environment (``RBLN_RAY_DEVICE``, ``RBLN_RAY_EMULATOR_MODE``,
-``OMP_NUM_THREADS``) is set by the caller. Prints one ``RESULT {...}`` line: per workload,
-wall time and output tok/s, plus the emulator's device-call log summary for that window
-(device seconds, number of on-device KV copies = prefix-cache hits served by copying).
+[[ids]], "output_len": M}}, "llm_kwargs": {...}}`` (``llm_kwargs``, optional: more ``vllm.LLM``
+arguments, e.g. rbln-ray's ``speculative_config``). The environment (``RBLN_RAY_DEVICE``,
+``RBLN_RAY_EMULATOR_MODE``, ``OMP_NUM_THREADS``) is set by the caller. Prints one ``RESULT
+{...}`` line: per workload, wall time and output tok/s, a digest of the output token ids
+(greedy: equal digests, equal tokens), plus the emulator's device-call log summary for that
+window (device seconds, number of on-device KV copies = prefix-cache hits served by copying).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -29,6 +32,7 @@ def _window(llm) -> dict:
         "kv_copies": sum(1 for c in calls if c["kind"] == "copy"),
         "prefill_calls": sum(1 for c in calls if c["kind"] == "prefill"),
         "decode_calls": sum(1 for c in calls if c["kind"] == "decode"),
+        "verify_calls": sum(1 for c in calls if c["kind"] == "verify"),
     }
 
 
@@ -40,12 +44,14 @@ def _generate(llm, prompts: list[list[int]], output_len: int) -> dict:
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    tokens = sum(len(t) for t in ids)
     return {
         "elapsed_s": elapsed,
         "requests": len(outs),
         "output_tokens": tokens,
         "output_tok_per_s": tokens / elapsed,
+        "tokens_digest": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16],
         **_window(llm),
     }
 
@@ -55,7 +61,8 @@ def main() -> None:
     from vllm import LLM
     from vllm.platforms import current_platform
 
-    llm = LLM(model=spec["model"], seed=0, worker_extension_cls=EXTENSION)
+    kwargs = spec.get("llm_kwargs") or {}
+    llm = LLM(model=spec["model"], seed=0, worker_extension_cls=EXTENSION, **kwargs)
     _generate(llm, spec["warmup"], 8)
     result = {
         "platform": f"{type(current_platform).__module__}.{type(current_platform).__name__}",

@@ -10,16 +10,29 @@ Workloads (output tok/s, greedy, ignore_eos):
 
 - ``mixed``: 32 prompts, 64 tokens in, 64 out;
 - ``shared_prefix``: 8 prompts sharing a 260-token prefix (+ 8 own tokens), 64 out; prefix
-  caching turns the shared part into on-device KV copies (``kv_copies`` in the results).
+  caching turns the shared part into on-device KV copies (``kv_copies`` in the results);
+- ``grounded``: 16 prompts whose outputs continue a copy of their input (a held-out source
+  span, a blank line, the span's first 16 tokens: ``benchmarks.spec_decode``'s workload, as a
+  code edit or a summary repeats its input), 256 tokens in, 64 out.
 
-Modes: ``compute`` (the emulator does the real math on the CPU; token-correct) and
-``timing`` (device calls sleep the modelled ATOM latency of llama-3-8b, ``--timing-shape``,
-as the other modelled benchmarks; rbln_ray.emulator.timing; outputs are garbage, the host work
-of each plugin is real). The emulated device computes with the same
-number of threads under both (``--threads`` -> ``RBLN_RAY_EMULATOR_THREADS``, default 1);
-host-side threads stay each plugin's own choice (vllm-rbln sets max(2, cpus // 2) itself).
+Systems: the two plugins, and ``rbln-ray+ngram``: rbln-ray with vLLM's ``speculative_config``
+(``ngram``, ``--spec-k`` drafts, the scheduler's ``auto`` policy) on the same artifact compiled
+with its verify graphs (``spec_tokens``), which vllm-rbln cannot serve (its optimum path
+refuses speculation). It runs only in the modes whose logits are the model's (``compute``,
+``modelled``): timing mode's zero logits would accept every draft. Greedy, so in those modes
+every system's tokens must be equal (``tokens_equal``: the runs' output digests).
 
-    python -m benchmarks.peer_vllm_rbln            # full: 5 runs, both modes
+Modes: ``compute`` (the emulator does the real math on the CPU; token-correct), ``timing``
+(device calls sleep the modelled ATOM latency of llama-3-8b, ``--timing-shape``, as the other
+modelled benchmarks; rbln_ray.emulator.timing; outputs are garbage, the host work of each
+plugin is real) and ``modelled`` (the real math, then a sleep for the rest of the modelled
+latency: real tokens at ATOM's speed; what speculation needs). The emulated device computes
+with the same number of threads under both (``--threads`` -> ``RBLN_RAY_EMULATOR_THREADS``,
+default 1); host-side threads stay each plugin's own choice (vllm-rbln sets max(2, cpus // 2)
+itself).
+
+    python -m benchmarks.peer_vllm_rbln            # full: 5 runs, compute and timing modes
+    python -m benchmarks.peer_vllm_rbln --modes modelled   # with speculation (issue 34)
     python -m benchmarks.peer_vllm_rbln --quick    # smoke: smaller workloads, 2 runs
 """
 
@@ -38,11 +51,18 @@ from benchmarks import common
 from benchmarks.peer_env import peer_env, peer_python
 
 PLUGINS = ("rbln-ray", "vllm-rbln")
+SPEC = "rbln-ray+ngram"  # rbln-ray speculating (module docstring)
 GOAL = 1.2  # rbln-ray / vllm-rbln output tok/s on each workload (issue 17)
+# rbln-ray+ngram / vllm-rbln output tok/s (issue 34, acceptance 3)
+SPEC_GOALS = {"grounded": 1.5, "mixed": 1.0, "shared_prefix": 1.0}
+DEFAULT_MODES = "compute,timing"
 
 
-def workloads(args: argparse.Namespace, vocab: int) -> tuple[dict[str, Any], list[list[int]]]:
+def workloads(args: argparse.Namespace, hf_dir: Path) -> tuple[dict[str, Any], list[list[int]]]:
     """The measured workloads and a warm-up that shares no prefix with them."""
+    from benchmarks.spec_decode import grounded_prompts
+
+    vocab = common.vocab_of(hf_dir)
     rng = random.Random(17)
 
     def ids(n: int) -> list[int]:
@@ -59,9 +79,17 @@ def workloads(args: argparse.Namespace, vocab: int) -> tuple[dict[str, Any], lis
                 "prompts": [shared + ids(8) for _ in range(args.shared_prompts)],
                 "output_len": args.output_len,
             },
+            "grounded": {
+                "prompts": grounded_prompts(hf_dir, args.grounded_prompts, 256, seed=17),
+                "output_len": args.output_len,
+            },
         },
         [ids(16) for _ in range(2)],
     )
+
+
+def systems(args: argparse.Namespace, mode: str) -> tuple[str, ...]:
+    return PLUGINS + ((SPEC,) if args.spec_k and mode != "timing" else ())
 
 
 def run_plugin(plugin: str, spec: dict, mode: str, threads: int, shape: str) -> dict:
@@ -73,7 +101,7 @@ def run_plugin(plugin: str, spec: dict, mode: str, threads: int, shape: str) -> 
     }
     if shape:
         extra["RBLN_RAY_TIMING_SHAPE"] = shape
-    if plugin == "rbln-ray":
+    if plugin != "vllm-rbln":
         env, python = common.base_env(**extra), common.PYTHON
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in [str(common.ROOT), env.get("PYTHONPATH", "")] if p
@@ -93,12 +121,13 @@ def commit() -> str:
 
 
 def summarise(runs: dict[str, dict[str, list[dict]]]) -> dict[str, Any]:
-    """Medians per plugin and workload, and rbln-ray / vllm-rbln."""
+    """Medians per system and workload, rbln-ray / vllm-rbln, and (when it ran)
+    rbln-ray+ngram / vllm-rbln; whether every system wrote the same tokens."""
     out: dict[str, Any] = {}
     for workload in runs["rbln-ray"]:
         med = {
-            plugin: statistics.median(r["output_tok_per_s"] for r in runs[plugin][workload])
-            for plugin in PLUGINS
+            system: statistics.median(r["output_tok_per_s"] for r in by_load[workload])
+            for system, by_load in runs.items()
         }
         ratio = med["rbln-ray"] / med["vllm-rbln"]
         out[workload] = {
@@ -106,23 +135,34 @@ def summarise(runs: dict[str, dict[str, list[dict]]]) -> dict[str, Any]:
             "ratio_rbln_ray_over_vllm_rbln": ratio,
             "goal": GOAL,
             "goal_met": ratio >= GOAL,
-            "kv_copies": {p: [r["kv_copies"] for r in runs[p][workload]] for p in PLUGINS},
+            "kv_copies": {p: [r["kv_copies"] for r in runs[p][workload]] for p in runs},
+            "prefill_calls": {p: [r["prefill_calls"] for r in runs[p][workload]] for p in runs},
+            "tokens_equal": len({r["tokens_digest"] for p in runs for r in runs[p][workload]}) == 1,
         }
+        if SPEC in runs:
+            spec_ratio = med[SPEC] / med["vllm-rbln"]
+            out[workload] |= {
+                "ratio_spec_over_vllm_rbln": spec_ratio,
+                "spec_goal": SPEC_GOALS[workload],
+                "spec_goal_met": spec_ratio >= SPEC_GOALS[workload],
+                "verify_calls": [r["verify_calls"] for r in runs[SPEC][workload]],
+            }
     return out
 
 
-def plot(results: dict[str, Any], quick: bool) -> Path:
+def plot(results: dict[str, Any], name: str, quick: bool) -> Path:
     plt = common.pyplot()
     modes = list(results)
     fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.2), squeeze=False)
-    colors = {"rbln-ray": "#1f77b4", "vllm-rbln": "#d62728"}
+    colors = {"rbln-ray": "#1f77b4", "vllm-rbln": "#d62728", SPEC: "#2ca02c"}
     for ax, mode in zip(axes[0], modes, strict=True):
         summary, runs = results[mode]["summary"], results[mode]["runs"]
         names = list(summary)
-        for j, plugin in enumerate(PLUGINS):
-            xs = [i + (j - 0.5) * 0.38 for i in range(len(names))]
+        width = 0.8 / len(runs)
+        for j, plugin in enumerate(runs):
+            xs = [i + (j - (len(runs) - 1) / 2) * width for i in range(len(names))]
             meds = [summary[n]["median_output_tok_per_s"][plugin] for n in names]
-            bars = ax.bar(xs, meds, 0.36, label=plugin, color=colors[plugin])
+            bars = ax.bar(xs, meds, width * 0.95, label=plugin, color=colors[plugin])
             ax.bar_label(bars, fmt="%.0f", fontsize=8)
             for x, n in zip(xs, names, strict=True):
                 pts = [r["output_tok_per_s"] for r in runs[plugin][n]]
@@ -136,7 +176,7 @@ def plot(results: dict[str, Any], quick: bool) -> Path:
         ax.legend(fontsize=8)
     fig.suptitle("rbln-ray vs vllm-rbln 0.12.0, same artifact and prompts (xN = rbln-ray/peer)")
     fig.tight_layout()
-    path = common.plot_path("peer_vllm_rbln", quick)
+    path = common.plot_path(name, quick)
     fig.savefig(path)
     return path
 
@@ -148,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4, help="compiled batch")
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--runs", type=int, default=5, help="fresh engine runs per plugin and mode")
-    p.add_argument("--modes", default="compute,timing")
+    p.add_argument("--modes", default=DEFAULT_MODES)
     p.add_argument("--threads", type=int, default=1, help="emulated device compute threads")
     p.add_argument(
         "--timing-shape",
@@ -160,9 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--shared-prompts", type=int, default=8)
     p.add_argument("--shared-len", type=int, default=260)
+    p.add_argument("--grounded-prompts", type=int, default=16)
+    p.add_argument("--spec-k", type=int, default=4, help="rbln-ray+ngram's drafts (0: off)")
     args = p.parse_args(argv)
     if args.quick:
         args.runs, args.num_prompts, args.output_len, args.shared_prompts = 2, 8, 16, 4
+        args.grounded_prompts = 4
     peer_python()  # fail early, naming `make peer-env`, if the side env is missing
 
     if args.model:
@@ -170,16 +213,30 @@ def main(argv: list[str] | None = None) -> int:
         compiled = common.compiled_artifact(hf_dir, args.batch, args.max_seq_len)
     else:
         hf_dir, compiled = common.compiled_demo(args.batch, args.max_seq_len)
-    loads, warmup = workloads(args, common.vocab_of(hf_dir))
+    loads, warmup = workloads(args, hf_dir)
+    with_drafts = None
+    if args.spec_k:
+        from benchmarks.spec_decode import compiled as compiled_with_verify_graphs
+
+        with_drafts = compiled_with_verify_graphs(hf_dir, args.batch, args.spec_k)
+    ngram = {
+        "method": "ngram",
+        "num_speculative_tokens": args.spec_k,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 5,
+    }
 
     results: dict[str, Any] = {}
     for mode in args.modes.split(","):
-        runs: dict[str, dict[str, list[dict]]] = {p: {w: [] for w in loads} for p in PLUGINS}
-        engines: dict[str, list[dict]] = {p: [] for p in PLUGINS}
+        names = systems(args, mode)
+        runs: dict[str, dict[str, list[dict]]] = {p: {w: [] for w in loads} for p in names}
+        engines: dict[str, list[dict]] = {p: [] for p in names}
         for i in range(args.runs):
-            for plugin in PLUGINS if i % 2 == 0 else PLUGINS[::-1]:
+            for plugin in names if i % 2 == 0 else names[::-1]:
                 print(f"== {mode} run {i + 1}/{args.runs}: {plugin}", flush=True)
                 spec = {"model": str(compiled), "warmup": warmup, "workloads": loads}
+                if plugin == SPEC:
+                    spec |= {"model": str(with_drafts), "llm_kwargs": {"speculative_config": ngram}}
                 out = run_plugin(plugin, spec, mode, args.threads, args.timing_shape)
                 for name, w in out.pop("workloads").items():
                     runs[plugin][name].append(w)
@@ -193,16 +250,26 @@ def main(argv: list[str] | None = None) -> int:
         "compiled": str(compiled),
         "commit": commit(),
     }
-    common.save("peer_vllm_rbln", {"settings": settings, "results": results}, args.quick)
-    print(f"plot: {plot(results, args.quick)}")
+    # the default modes' results keep their file; other modes get their own beside it
+    name = "peer_vllm_rbln"
+    if args.modes != DEFAULT_MODES:
+        name += "_" + args.modes.replace(",", "_")
+    common.save(name, {"settings": settings, "results": results}, args.quick)
+    print(f"plot: {plot(results, name, args.quick)}")
     for mode, r in results.items():
         for name, s in r["summary"].items():
             med = s["median_output_tok_per_s"]
-            print(
+            line = (
                 f"{mode:>8} {name:>14}: rbln-ray {med['rbln-ray']:8.1f}  vllm-rbln "
                 f"{med['vllm-rbln']:8.1f} tok/s  x{s['ratio_rbln_ray_over_vllm_rbln']:.2f} "
                 f"(goal x{GOAL}: {'met' if s['goal_met'] else 'not met'})"
             )
+            if SPEC in med:
+                line += (
+                    f"  {SPEC} {med[SPEC]:8.1f} x{s['ratio_spec_over_vllm_rbln']:.2f} (goal "
+                    f"x{s['spec_goal']}: {'met' if s['spec_goal_met'] else 'not met'})"
+                )
+            print(line + ("" if s["tokens_equal"] else "  TOKENS DIFFER"))
     return 0
 
 
