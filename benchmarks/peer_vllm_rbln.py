@@ -150,10 +150,18 @@ def summarise(runs: dict[str, dict[str, list[dict]]]) -> dict[str, Any]:
     return out
 
 
+def tick_label(workload: str, summary: dict[str, Any]) -> str:
+    """The workload and its ratios to vllm-rbln: rbln-ray's, then speculating rbln-ray's."""
+    label = f"{workload}\nx{summary['ratio_rbln_ray_over_vllm_rbln']:.2f}"
+    if "ratio_spec_over_vllm_rbln" in summary:
+        label += f" / +ngram x{summary['ratio_spec_over_vllm_rbln']:.2f}"
+    return label
+
+
 def plot(results: dict[str, Any], name: str, quick: bool) -> Path:
     plt = common.pyplot()
     modes = list(results)
-    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(modes), figsize=(max(8, 6 * len(modes)), 4.4), squeeze=False)
     colors = {"rbln-ray": "#1f77b4", "vllm-rbln": "#d62728", SPEC: "#2ca02c"}
     for ax, mode in zip(axes[0], modes, strict=True):
         summary, runs = results[mode]["summary"], results[mode]["runs"]
@@ -168,13 +176,11 @@ def plot(results: dict[str, Any], name: str, quick: bool) -> Path:
                 pts = [r["output_tok_per_s"] for r in runs[plugin][n]]
                 ax.plot([x] * len(pts), pts, "k.", markersize=4)
         ax.set_xticks(range(len(names)))
-        ax.set_xticklabels(
-            [f"{n}\nx{summary[n]['ratio_rbln_ray_over_vllm_rbln']:.2f}" for n in names]
-        )
+        ax.set_xticklabels([tick_label(n, summary[n]) for n in names])
         ax.set_ylabel("output tokens/s (median; dots = runs)")
         ax.set_title(f"{mode} mode" + (" (quick)" if quick else ""))
         ax.legend(fontsize=8)
-    fig.suptitle("rbln-ray vs vllm-rbln 0.12.0, same artifact and prompts (xN = rbln-ray/peer)")
+    fig.suptitle("rbln-ray vs vllm-rbln 0.12.0, same artifact and prompts (xN: ÷ vllm-rbln)")
     fig.tight_layout()
     path = common.plot_path(name, quick)
     fig.savefig(path)
