@@ -20,13 +20,14 @@ def export_urls() -> list[str]:
     ]
 
 
-def samples(name: str) -> list:
-    """Every sample called ``name`` (e.g. ``ray_vllm_generation_tokens_total``) on every node."""
+def samples(*names: str) -> list:
+    """Every sample called one of ``names`` (e.g. ``ray_vllm_generation_tokens_total``) on
+    every node, from one scrape of each."""
     found = []
     for url in export_urls():
         text = httpx.get(url, timeout=30).text
         for family in text_string_to_metric_families(text):
-            found += [s for s in family.samples if s.name == name]
+            found += [s for s in family.samples if s.name in names]
     return found
 
 

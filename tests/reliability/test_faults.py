@@ -172,15 +172,10 @@ def engines_queue_beyond_their_batch(replicas: set[str], batch_size: int) -> boo
     ``max_ongoing_requests`` takes no handle call until one of its requests ends.)"""
     from tests.ray_metrics import samples
 
-    def per_replica(name: str) -> dict[str, float]:
-        return {
-            s.labels["ReplicaId"]: s.value
-            for s in samples(name)
-            if s.labels.get("model_name") == MODEL
-        }
-
-    running = per_replica("ray_vllm_num_requests_running")
-    waiting = per_replica("ray_vllm_num_requests_waiting")
+    running_name, waiting_name = "ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting"
+    found = [s for s in samples(running_name, waiting_name) if s.labels.get("model_name") == MODEL]
+    running = {s.labels["ReplicaId"]: s.value for s in found if s.name == running_name}
+    waiting = {s.labels["ReplicaId"]: s.value for s in found if s.name == waiting_name}
     return all(running.get(r) == batch_size and waiting.get(r, 0) >= 1 for r in replicas)
 
 
