@@ -257,11 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         "commit": commit(),
     }
     # the default modes' results keep their file; other modes get their own beside it
-    name = "peer_vllm_rbln"
+    stem = "peer_vllm_rbln"
     if args.modes != DEFAULT_MODES:
-        name += "_" + args.modes.replace(",", "_")
-    common.save(name, {"settings": settings, "results": results}, args.quick)
-    print(f"plot: {plot(results, name, args.quick)}")
+        stem += "_" + args.modes.replace(",", "_")
+    common.save(stem, {"settings": settings, "results": results}, args.quick)
+    print(f"plot: {plot(results, stem, args.quick)}")
     for mode, r in results.items():
         for name, s in r["summary"].items():
             med = s["median_output_tok_per_s"]
