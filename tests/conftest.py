@@ -19,12 +19,17 @@ import pytest
 # other multi-raylet cluster under load (test_scaling_under_load): run at the same time, the
 # two starved each other's raylets past Ray's hard-coded 30 s registration window (a `ray up`
 # took 710 s instead of ~160 s); the one app that tests/reliability's files share (a
-# package-scoped fixture).
+# package-scoped fixture); the two Serve apps of seven models each: a model replica is three
+# processes (Serve replica, vLLM engine core, Ray worker actor), and the two apps side by side
+# filled the 24 GiB machine until Ray's memory monitor killed the Serve controller.
 MULTINODE = "tests/cluster + tests/serve/test_scaling_under_load.py"
+SEVEN_MODEL_APPS = "tests/serve/test_openai_app.py + tests/serve/test_zoo_serve.py"
 SERIAL_GROUPS = {
     "tests/cluster/": MULTINODE,
     "tests/serve/test_scaling_under_load.py": MULTINODE,
     "tests/reliability/": "tests/reliability",
+    "tests/serve/test_openai_app.py": SEVEN_MODEL_APPS,
+    "tests/serve/test_zoo_serve.py": SEVEN_MODEL_APPS,
 }
 
 # Seconds each unit of work took in an earlier `make test` on this 2-core machine (2 workers;
@@ -35,10 +40,9 @@ SERIAL_GROUPS = {
 # in file order.
 UNIT_SECONDS = {
     MULTINODE: 1130,
+    SEVEN_MODEL_APPS: 790,  # the zoo app: zoo + speech + pooling
     "tests/reliability": 580,
     "tests/serve/test_vision_serve.py": 530,
-    "tests/serve/test_openai_app.py": 470,
-    "tests/serve/test_zoo_serve.py": 320,  # zoo + speech + pooling: one app
     "tests/executor/test_ray_executor.py": 300,
     "tests/pipeline/test_pipeline.py": 230,
     "tests/serve/test_one_replica.py": 210,

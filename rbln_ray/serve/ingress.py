@@ -56,6 +56,9 @@ from rbln_ray.serve.routes import (
 logger = logging.getLogger(__name__)
 
 HEALTH_CACHE_S = 1.0  # how long one Serve status answers /health probes
+# How long a probe waits for Serve's status: a controller that is restarting (Ray's memory
+# monitor may kill it; max_restarts brings it back) answers nothing until it is back.
+HEALTH_TIMEOUT_S = 5.0
 # Routes anyone may call when the app has an API key: probes, the version, the API docs.
 OPEN_PATHS = {"/health", "/ping", "/version", "/docs", "/docs/oauth2-redirect", "/openapi.json",
               "/redoc"}  # fmt: skip
@@ -361,10 +364,13 @@ class OpenAIIngress:
         from ray import serve
 
         now = time.monotonic()
-        if self._status_task is None or now - self._status_at > HEALTH_CACHE_S:
+        task = self._status_task
+        # a call still in flight is awaited again, never doubled: probes of a stalled
+        # controller must not pile threads up
+        if task is None or (task.done() and now - self._status_at > HEALTH_CACHE_S):
             self._status_at = now
-            self._status_task = asyncio.ensure_future(asyncio.to_thread(serve.status))
-        return await asyncio.shield(self._status_task)
+            self._status_task = task = asyncio.ensure_future(asyncio.to_thread(serve.status))
+        return await asyncio.wait_for(asyncio.shield(task), HEALTH_TIMEOUT_S)
 
     def _model(self, model: Any, family: str, param: str | None = "model") -> str | JSONResponse:
         """The served model whose deployment answers a request naming ``model`` (a LoRA
@@ -597,10 +603,15 @@ class OpenAIIngress:
     async def health(self) -> Response:
         """200 when every model deployment is healthy; 503 naming the ones that are not.
 
-        Serve's status is a controller RPC: made off the event loop, and at most once per
-        ``HEALTH_CACHE_S`` however many probes arrive (the route needs no API key)."""
+        Serve's status is a controller RPC: made off the event loop, at most once per
+        ``HEALTH_CACHE_S`` however many probes arrive (the route needs no API key), and
+        waited for at most ``HEALTH_TIMEOUT_S``: a probe is answered even while the
+        controller is down."""
         try:
             app_status = (await self._status()).applications.get(self.app_name)
+        except TimeoutError:
+            message = f"Serve's controller did not answer within {HEALTH_TIMEOUT_S:g} s"
+            return JSONResponse({"status": message}, 503)
         except Exception as exc:  # noqa: BLE001 - the controller unreachable: not healthy
             return JSONResponse({"status": f"status unavailable: {first_line(exc)}"}, 503)
         if app_status is None:

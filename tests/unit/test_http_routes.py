@@ -354,6 +354,53 @@ def test_cors_preflight_is_answered_for_allowed_origins_only(vllm_app) -> None:
     assert asyncio.run(go("https://evil.example")).status_code == 400
 
 
+def test_health_answers_while_the_controller_does_not(vllm_app, monkeypatch) -> None:
+    """A controller that does not answer (Ray restarting it): every probe still gets a 503
+    naming it within the timeout, probes never start a second status call beside the one in
+    flight (the cache period is 0 here), and the first probe after it answers is a 200."""
+    import threading
+
+    from ray import serve
+
+    from rbln_ray.serve import ingress as ingress_module
+    from rbln_ray.serve.ingress import OpenAIIngress, build_ingress_app
+
+    released, calls = threading.Event(), []
+
+    def stalled_status():
+        calls.append(threading.get_ident())
+        released.wait(60)
+        healthy = types.SimpleNamespace(status=types.SimpleNamespace(value="HEALTHY"))
+        app_status = types.SimpleNamespace(deployments={"LLMServer:m": healthy})
+        return types.SimpleNamespace(applications={"app": app_status})
+
+    monkeypatch.setattr(serve, "status", stalled_status)
+    monkeypatch.setattr(ingress_module, "HEALTH_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(ingress_module, "HEALTH_CACHE_S", 0.0)
+    ingress = OpenAIIngress.__new__(OpenAIIngress)
+    ingress.configure({"m": FakeServer("m", vllm_app)}, KEY, RequestLimits(), {}, [], "app")
+    app = build_ingress_app(ingress)
+
+    async def probe_twice_then_release():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
+            waves = [await asyncio.gather(*(client.get("/health") for _ in range(4)))
+                     for _ in range(2)]  # fmt: skip
+            released.set()
+            return waves, await client.get("/health")
+
+    try:
+        waves, after = asyncio.run(probe_twice_then_release())
+    finally:
+        released.set()
+    stalled = [r for wave in waves for r in wave]
+    assert {r.status_code for r in stalled} == {503}
+    assert stalled[0].json() == {"status": "Serve's controller did not answer within 0.2 s"}
+    assert len(calls) == 1
+    assert after.status_code == 200
+    assert after.json() == {"status": "ok", "deployments": {"LLMServer:m": "HEALTHY"}}
+
+
 def test_stored_response_calls_go_to_the_replica_in_their_id(ingress_app) -> None:
     app, servers = ingress_app
     rid = new_response_id("other", "replica7")
