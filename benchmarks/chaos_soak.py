@@ -12,7 +12,9 @@ one fault, the kinds in turn:
 * ``engine_kill``: SIGKILL a replica's vLLM engine-core process;
 * ``replica_kill``: SIGKILL a replica's actor process;
 * ``raylet_kill``: remove a worker raylet (every process on it dies); a fresh raylet with the
-  same devices joins ``--node-back-after`` seconds later;
+  same devices joins ``--node-back-after`` seconds later (one that dies by itself within a
+  minute, as one did in an earlier run, is replaced again and listed in
+  ``replacement_raylets_died``);
 * ``proxy_kill``: SIGKILL Serve's HTTP proxy (clients on it lose their connections).
 
 Every request must end with exactly one terminal outcome, each counted: ``ok`` (a 200 with
@@ -53,6 +55,7 @@ FAULTS = (
     "raylet_kill",
     "proxy_kill",
 )
+NEW_NODE_GRACE_S = 60.0  # a replacement raylet alive this long is taken as started
 
 
 # ----------------------------------------------------------------------------- load
@@ -169,6 +172,11 @@ class Chaos:
         self.turn = 0
         self.stopped: list[int] = []  # SIGSTOPped pids, resumed at the end if still alive
         self.pending_nodes: list[float] = []  # when a removed raylet is replaced
+        # Replacement raylets not yet known to have lived NEW_NODE_GRACE_S (node, started at),
+        # and those that died sooner, which no fault of the soak killed: replaced again and
+        # reported (``replacements_died``), never hidden.
+        self.new_nodes: list[tuple[Any, float]] = []
+        self.replacements_died: list[dict[str, Any]] = []
 
     def inject(self) -> dict[str, Any] | None:
         for _ in range(len(FAULTS)):
@@ -236,12 +244,24 @@ class Chaos:
         os.kill(pid, signal.SIGKILL)
         return f"proxy pid {pid}"
 
-    def replace_nodes(self) -> None:
+    def replace_nodes(self, t0: float) -> None:
         now = time.monotonic()
+        for node, started in list(self.new_nodes):
+            if node.remaining_processes_alive():
+                if now - started > NEW_NODE_GRACE_S:
+                    self.new_nodes.remove((node, started))
+                continue
+            self.new_nodes.remove((node, started))
+            self.replacements_died.append(
+                {"node": node.node_id[:8], "at_s": now - t0, "lived_s": now - started}
+            )
+            self.cluster.remove_node(node, allow_graceful=False)
+            self.pending_nodes.append(now)
         due = [t for t in self.pending_nodes if t <= now]
         for t in due:
             self.pending_nodes.remove(t)
-            self.cluster.add_node(num_cpus=4, resources={"RBLN": self.devices})
+            node = self.cluster.add_node(num_cpus=4, resources={"RBLN": self.devices})
+            self.new_nodes.append((node, time.monotonic()))
 
     def resume_stopped(self) -> None:
         for pid in self.stopped:
@@ -325,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                 bar.n = int(now - t0)
                 bar.set_postfix(requests=len(results), faults=len(faults))
                 bar.refresh()
-                chaos.replace_nodes()
+                chaos.replace_nodes(t0)
                 open_faults = [f for f in faults if f["back_s"] is None]
                 if open_faults and capacity_back(url, args.replicas):
                     for f in open_faults:
@@ -358,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         "faults_by_kind": {k: sum(f["kind"] == k for f in faults) for k in FAULTS},
         "recovery_s": common.summary([f["back_s"] for f in faults if f["back_s"] is not None]),
         "not_recovered": [f for f in faults if f["back_s"] is None],
+        "replacement_raylets_died": chaos.replacements_died,
         "error_examples": [r["detail"] for r in results if r["outcome"] != "ok"][:30],
         "latency_s": common.summary([r["end"] - r["start"] for r in results]),
     }

@@ -56,6 +56,7 @@ GOAL = 1.2  # rbln-ray / vllm-rbln output tok/s on each workload (issue 17)
 # rbln-ray+ngram / vllm-rbln output tok/s (issue 34, acceptance 3)
 SPEC_GOALS = {"grounded": 1.5, "mixed": 1.0, "shared_prefix": 1.0}
 DEFAULT_MODES = "compute,timing"
+DEFAULT_BATCH = 4
 
 
 def workloads(args: argparse.Namespace, hf_dir: Path) -> tuple[dict[str, Any], list[list[int]]]:
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smaller workloads, 2 runs")
     p.add_argument("--model", help="HF model dir (default: the demo model); head_dim >= 32")
-    p.add_argument("--batch", type=int, default=4, help="compiled batch")
+    p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="compiled batch")
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--runs", type=int, default=5, help="fresh engine runs per plugin and mode")
     p.add_argument("--modes", default=DEFAULT_MODES)
@@ -256,10 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         "compiled": str(compiled),
         "commit": commit(),
     }
-    # the default modes' results keep their file; other modes get their own beside it
+    # the default modes and batch keep their file; others get their own beside it
     stem = "peer_vllm_rbln"
     if args.modes != DEFAULT_MODES:
         stem += "_" + args.modes.replace(",", "_")
+    if args.batch != DEFAULT_BATCH:
+        stem += f"_batch{args.batch}"
     common.save(stem, {"settings": settings, "results": results}, args.quick)
     print(f"plot: {plot(results, stem, args.quick)}")
     for mode, r in results.items():
