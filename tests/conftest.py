@@ -40,7 +40,9 @@ SERIAL_GROUPS = {
 # in file order.
 UNIT_SECONDS = {
     MULTINODE: 1130,
-    SEVEN_MODEL_APPS: 790,  # the zoo app: zoo + speech + pooling
+    # its two files' times in that run, when they were units of their own (the zoo app
+    # serves zoo, speech and pooling models)
+    SEVEN_MODEL_APPS: 790,
     "tests/reliability": 580,
     "tests/serve/test_vision_serve.py": 530,
     "tests/executor/test_ray_executor.py": 300,
