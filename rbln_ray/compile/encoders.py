@@ -42,6 +42,11 @@ class EncoderArtifact:
         """Pipeline stages: an encoder is one compiled graph, never staged."""
         return 1
 
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences one engine runs at once: the rows of one compiled call."""
+        return self.batch_size
+
     @classmethod
     def load(cls, path: str | Path) -> EncoderArtifact:
         path = Path(path)

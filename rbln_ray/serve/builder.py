@@ -70,6 +70,22 @@ def compiled_batch_size(cfg: ModelDeploymentConfig) -> int:
     return art.batch_size if art is not None else cfg.compile.batch_size
 
 
+def compiled_sequences(cfg: ModelDeploymentConfig) -> int:
+    """Sequences one engine runs at once: what the artifact's KV cache and decode graphs hold
+    (all micro-batches of a staged one), or the batch it will be compiled with."""
+    art = served_artifact(cfg)
+    return art.max_num_seqs if art is not None else cfg.compile.batch_size
+
+
+def engine_config(cfg: ModelDeploymentConfig) -> ModelDeploymentConfig:
+    """The model's config as its replicas get it: ``max_num_seqs`` defaults to the compiled
+    sequences. vLLM's server default on a CPU-derived platform (RBLN's) is 128 sequences
+    (``EngineArgs.get_batch_defaults``), which would leave the rows of a larger compiled
+    batch idle and queue the requests that should fill them."""
+    kwargs = {"max_num_seqs": compiled_sequences(cfg), **cfg.engine_kwargs}
+    return cfg.model_copy(update={"engine_kwargs": kwargs})
+
+
 def compiled_max_seq_len(cfg: ModelDeploymentConfig) -> int | None:
     """The model's context length (compiled ``max_seq_len``); None when only the compile at
     start will know it (an HF dir without ``compile.max_seq_len``)."""
@@ -146,7 +162,7 @@ def build_server(
     return (
         serve.deployment(LLMServer)
         .options(**options)
-        .bind(cfg.model_dump(), limits_dump, **kv_events)
+        .bind(engine_config(cfg).model_dump(), limits_dump, **kv_events)
     )
 
 

@@ -242,6 +242,16 @@ def _sync_scheduler(vllm_config: VllmConfig, art: CompiledArtifact) -> None:
             sched.max_num_seqs,
             art.max_num_seqs,
         )
+    elif sched.max_num_seqs < art.max_num_seqs:
+        # e.g. `vllm serve DIR` without --max-num-seqs: vLLM's server default on a CPU-derived
+        # platform is 128 sequences (the Serve app passes the compiled count instead).
+        logger.info(
+            "max_num_seqs %d of the %d sequences %s holds: --max-num-seqs %d fills its batch",
+            sched.max_num_seqs,
+            art.max_num_seqs,
+            art.path.name,
+            art.max_num_seqs,
+        )
     sched.max_num_seqs = min(sched.max_num_seqs, art.max_num_seqs)
     max_len = vllm_config.model_config.max_model_len
     if sched.enable_chunked_prefill and not art.prefill_resumable:

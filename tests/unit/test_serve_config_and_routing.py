@@ -145,3 +145,33 @@ def test_lora_adapters_become_served_models_of_their_base(tmp_path, monkeypatch)
     clash = ModelDeploymentConfig(name="a", model=str(plain))
     with pytest.raises(ValueError, match="'a' of model 'base' has the name of another"):
         adapter_bases([base, clash])
+
+
+def test_replicas_fill_the_compiled_batch(tmp_path) -> None:
+    """vLLM's server default is 128 sequences on a CPU-derived platform (RBLN's), which would
+    leave half of a 256-row artifact idle and queue the requests that should fill it: a
+    replica's engine gets the compiled sequences unless the model's config says otherwise."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from rbln_ray.serve.builder import engine_config
+    from rbln_ray.serve.config import ModelDeploymentConfig
+    from rbln_ray.serve.server import engine_namespace
+    from tests.unit.engine_harness import write_artifact
+
+    art = write_artifact(
+        tmp_path, batch_size=256, kvcache_num_blocks=256, decoder_batch_sizes=[256, 1]
+    )
+
+    def engine_rows(cfg: ModelDeploymentConfig) -> int:
+        args = engine_namespace(cfg, str(art))
+        args.skip_tokenizer_init = True  # the artifact has shapes only
+        engine = AsyncEngineArgs.from_cli_args(args)
+        config = engine.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        return config.scheduler_config.max_num_seqs
+
+    cfg = ModelDeploymentConfig(name="m", model=str(art))
+    assert engine_rows(cfg) == 128  # vLLM's own default, what replicas ran with before
+    assert engine_rows(engine_config(cfg)) == 256
+    own = cfg.model_copy(update={"engine_kwargs": {"max_num_seqs": 64}})
+    assert engine_rows(engine_config(own)) == 64
