@@ -215,11 +215,14 @@ async def _run_async(spec: dict, prompts: list[list[int]]) -> dict:
             i, p = queue.get_nowait()
             records.append(await one(i, p))
 
+    rbln = spec["backend"] == "rbln"
+    before = (await engine.collective_rpc("step_stats"))[0] if rbln else None
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(spec["concurrency"])))
     elapsed = time.perf_counter() - start
+    after = (await engine.collective_rpc("step_stats"))[0] if rbln else None
     engine.shutdown()
-    return {"elapsed_s": elapsed, "records": records}
+    return {"elapsed_s": elapsed, "records": records, "step_stats": [before, after]}
 
 
 def main() -> None:
@@ -245,6 +248,8 @@ def main() -> None:
 
         raw = asyncio.run(_run_async(spec, prompts))
         result = aggregate(raw["records"], raw["elapsed_s"])
+        if raw["step_stats"][0] is not None:  # the engine's counters over the measured phase
+            result["step_stats_before"], result["step_stats"] = raw["step_stats"]
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -11,7 +11,9 @@ step is the same on both sides:
 
 Goal (issue 35): Serve's output tok/s >= 0.98 x in-process. Where the time goes: CPU seconds
 per process of the Serve run (proxy, ingress, replica, engine core, worker, Ray's daemons,
-the load generator), from psutil, over the measured phase.
+the load generator), from psutil, and on both sides the engine's step counters (prefill and
+decode calls, decode rows, device seconds) over the measured phase: the same tokens in more
+device calls, or a device idle between calls, tell the two kinds of ingress cost apart.
 
     python -m benchmarks.ingress_streams [--quick]
 """
@@ -62,6 +64,16 @@ def cpu_by_role() -> dict[str, float]:
     return out
 
 
+STEP_COUNTERS = ("prefill_steps", "decode_steps", "decode_rows", "padded_rows", "device_seconds")
+
+
+def step_delta(before: dict[str, Any], after: dict[str, Any], wall: float) -> dict[str, Any]:
+    """The engine's step counters over the measured phase, and the device's busy share."""
+    out = {k: after[k] - before[k] for k in STEP_COUNTERS}
+    out["device_busy_share"] = out["device_seconds"] / wall
+    return out
+
+
 def serve_run(compiled, prompts, args) -> dict[str, Any]:
     import ray
     from ray import serve
@@ -73,14 +85,25 @@ def serve_run(compiled, prompts, args) -> dict[str, Any]:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = common.deploy_serve_app(compiled, 1, port)
         asyncio.run(wait_ready(url, 900))
-        before, t0 = cpu_by_role(), time.perf_counter()
+        from rbln_ray.serve import APP_NAME
+        from rbln_ray.serve.naming import server_deployment_name
+
+        replica = serve.get_deployment_handle(server_deployment_name("demo"), APP_NAME)
+
+        def steps() -> dict[str, Any]:  # the one replica's engine
+            return replica.engine_stats.remote().result(timeout_s=60)["steps"][0]
+
+        # Warm-up apart, so the counters below cover exactly the measured phase.
+        asyncio.run(run_load(url, "demo", prompts[:4], args.output_len, 4, progress=False))
+        steps_before, before, t0 = steps(), cpu_by_role(), time.perf_counter()
         res = asyncio.run(
-            run_load(url, "demo", prompts, args.output_len, args.concurrency, warmup=4)
+            run_load(url, "demo", prompts, args.output_len, args.concurrency, warmup=0)
         )
         wall = time.perf_counter() - t0
-        after = cpu_by_role()
+        after, steps_after = cpu_by_role(), steps()
         res["cpu_s_by_role"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
         res["cpu_share_by_role"] = {k: v / wall for k, v in res["cpu_s_by_role"].items()}
+        res["steps"] = step_delta(steps_before, steps_after, wall)
         return res
     finally:
         serve.shutdown()
@@ -88,6 +111,7 @@ def serve_run(compiled, prompts, args) -> dict[str, Any]:
 
 
 def inprocess_run(compiled, args) -> dict[str, Any]:
+    """The same load on the same engine in a process of its own (benchmarks/engine_run.py)."""
     spec = {
         "backend": "rbln",
         "executor": "ray",
@@ -103,7 +127,9 @@ def inprocess_run(compiled, args) -> dict[str, Any]:
         "timing_shape": args.shape,
         "warmup": 4,
     }
-    return common.run_json("engine_run.py", spec, common.base_env(), timeout=7200)
+    res = common.run_json("engine_run.py", spec, common.base_env(), timeout=7200)
+    res["steps"] = step_delta(res.pop("step_stats_before"), res.pop("step_stats"), res["elapsed_s"])
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"goal serve/in-process >= {GOAL}: {'MET' if goal['met'] else 'NOT MET'} {goal}")
     for role, share in shares:
         print(f"   {role:>22}: {share:.2f} cores")
+    for name, res in (("serve", serve), ("in-process", inproc)):
+        print(f"   {name} steps: {res['steps']}")
     return 0
 
 
