@@ -55,6 +55,15 @@ SYSTEMS = {
     "c": "rbln-ray, load-aware routing",
 }
 MODEL = "demo"  # served model name on every system
+DEFAULT_TENANTS = DEFAULT_DOCS = 32
+
+
+def stem(args: argparse.Namespace) -> str:
+    """Result file name: the default working set's is ``cluster_goodput``, another's names
+    its tenants and documents beside it (``--quick``'s is ``cluster_goodput-quick``)."""
+    if args.quick or (args.tenants, args.docs) == (DEFAULT_TENANTS, DEFAULT_DOCS):
+        return "cluster_goodput"
+    return f"cluster_goodput_t{args.tenants}_d{args.docs}"
 
 
 # ------------------------------------------------------------------ the artifact
@@ -370,7 +379,7 @@ def goals(results: dict[str, dict]) -> dict[str, Any]:
     return out
 
 
-def plot(results: dict[str, dict], quick: bool) -> Path:
+def plot(results: dict[str, dict], name: str, quick: bool) -> Path:
     plt = common.pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
     for key, per in results.items():
@@ -393,7 +402,7 @@ def plot(results: dict[str, dict], quick: bool) -> Path:
     axes[0].legend(fontsize=7)
     fig.suptitle("cluster goodput, timing mode" + (" (quick)" if quick else ""))
     fig.tight_layout()
-    path = common.plot_path("cluster_goodput", quick)
+    path = common.plot_path(name, quick)
     fig.savefig(path)
     return path
 
@@ -402,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke: 2 replicas, 1 low rate, 45 s")
     p.add_argument("--systems", default="a,b,c")
-    p.add_argument("--rates", default="0.5,1.0,1.5,2.0,2.5", help="requests/s, comma list")
+    p.add_argument("--rates", default="0.5,0.75,1.0,1.25,1.5", help="requests/s, comma list")
     p.add_argument("--duration", type=float, default=300, help="seconds of load per rate")
     p.add_argument(
         "--warmup", type=float, default=60, help="first seconds not measured (sessions ramp up)"
@@ -413,8 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--kv-blocks", type=int, default=16, help="RBLN KV blocks per device")
-    p.add_argument("--tenants", type=int, default=8)
-    p.add_argument("--docs", type=int, default=8)
+    # 32 x 1,024 + 32 x 2,048 tokens: more shared text than one replica's KV cache holds
+    p.add_argument("--tenants", type=int, default=DEFAULT_TENANTS)
+    p.add_argument("--docs", type=int, default=DEFAULT_DOCS)
     p.add_argument("--think-s", type=float, default=3.0, help="mean pause between turns")
     p.add_argument("--ttft-slo-s", type=float, default=2.0)
     p.add_argument("--tpot-slo-ms", type=float, default=150.0)
@@ -452,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {k: v for k, v in vars(args).items() if k != "rate_list"}
     settings |= {"compiled": str(compiled), "commit": _commit()}
     common.save(
-        "cluster_goodput",
+        stem(args),
         {
             "settings": settings,
             "wall_s": time.time() - t0,
@@ -464,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         args.quick,
     )
-    print(f"plot: {plot(results, args.quick)}")
+    print(f"plot: {plot(results, stem(args), args.quick)}")
     for name, goal in g.items():
         print(f"goal {name}: {goal}")
     return 0
