@@ -461,8 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     g = goals(results)
     settings = {k: v for k, v in vars(args).items() if k != "rate_list"}
     settings |= {"compiled": str(compiled), "commit": _commit()}
+    result_name = stem(args)
     common.save(
-        stem(args),
+        result_name,
         {
             "settings": settings,
             "wall_s": time.time() - t0,
@@ -474,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         args.quick,
     )
-    print(f"plot: {plot(results, stem(args), args.quick)}")
+    print(f"plot: {plot(results, result_name, args.quick)}")
     for name, goal in g.items():
         print(f"goal {name}: {goal}")
     return 0
