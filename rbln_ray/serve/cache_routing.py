@@ -18,16 +18,28 @@ What the router knows, per replica:
   held there while they run and for :data:`RECENT_TTL_S` after;
 * **its load**: requests in flight (this router's count, or Serve's queue-length cache when
   larger: other ingress replicas route too) against its ``max_ongoing_requests``;
+* **its service times**: each replica also reports how long its recent requests took to
+  prefill per uncached token and how long they held a decode slot
+  (:mod:`rbln_ray.serve.service_times`, from vLLM's request stats);
 * **the session**: requests naming a session (an ``x-session-id`` header, else the OpenAI
   ``user`` field) prefer the replica that served the session last.
 
-Choice (:func:`order_candidates`): among replicas that are not full and carry at most
-``load_slack`` requests more than the least loaded one, the one holding the longest prefix of
-the prompt; ties go to the session's replica, then to a rendezvous hash of the session (or,
-without one, of the prompt's first characters), so a new conversation's turns, and a burst
-of requests sharing a prefix nobody holds yet, agree on a replica without any state, while
-distinct sessions spread evenly. A hot tenant therefore fills its replica only up to the
-slack before its new conversations spill to others (which then cache its system prompt too).
+Choice (:func:`order_candidates`): the replica where the request's first token comes soonest.
+Per replica that is the wait for a decode slot (a replica running ``B`` requests, the
+compiled batch, frees one every ``service / B`` seconds, and the request waits for as many as
+are ahead of it) plus the prefill of the prompt tokens past the prefix it holds. (Prefills
+ahead of it on a replica with free slots are not priced: requests of a burst sharing a
+prefix then wait for its one prefill on one replica instead of each prefilling it on
+another, which would be sooner for each and slower for all.) So a turn stays where its
+history is cached unless waiting there costs more than prefilling that history elsewhere: a
+slot wait of a few seconds is worth a 3,000-token miss, a 100-token miss is not worth any
+wait. Ties (equal estimates: replicas with free slots that hold the same prefix) go to the
+longer held prefix, then to the session's replica, then to a rendezvous hash of the session
+(or, without one, of the prompt's first characters), so a new conversation's turns, and a
+burst of requests sharing a prefix nobody holds yet, agree on a replica without any state,
+while distinct sessions spread evenly. Until the replicas report times (no user request has
+ended yet), a replica carrying at most ``B`` requests more than the least loaded one stands
+in for "no wait", and the longest held prefix decides among those. Full replicas come last.
 The other replicas follow in the same order, so Serve moves on when the first is full when
 it probes it.
 
@@ -51,6 +63,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from rbln_ray.serve.kv_events import STATS_BLOCK_SIZE, STATS_BLOCKS, STATS_EVENTS
 from rbln_ray.serve.kv_index import chain_hashes, held_prefix
 from rbln_ray.serve.routing import PREFIX_CHARS, fixed_choice, rank
+from rbln_ray.serve.service_times import STATS_PREFILL_S_PER_TOKEN, STATS_SERVICE_S
 
 logger = logging.getLogger(__name__)
 
@@ -74,23 +87,44 @@ class Candidate:
     load: int  # requests in flight
     capacity: int  # max_ongoing_requests
     held_blocks: int  # leading blocks of this prompt the replica holds
+    ttft_s: float | None = None  # estimated time to this request's first token there
+
+
+@dataclass(frozen=True)
+class ServiceRates:
+    """What a replica's time goes to, as the replicas last reported it (pooled: the same
+    device and model everywhere, so one replica's noise does not break ties)."""
+
+    prefill_s_per_token: float
+    service_s: float  # how long a request holds a decode slot
+
+
+def estimate_ttft(rates: ServiceRates, batch_size: int, load: int, uncached_tokens: int) -> float:
+    """Seconds to a request's first token on a replica carrying ``load`` requests (running and
+    queued) with ``batch_size`` decode slots, that must prefill ``uncached_tokens``."""
+    ahead = max(0, load - batch_size + 1)  # requests that must end before a slot frees
+    slot_wait = ahead * rates.service_s / max(1, batch_size)
+    return slot_wait + uncached_tokens * rates.prefill_s_per_token
 
 
 def order_candidates(
     candidates: list[Candidate], session_replica: str | None, key: str, load_slack: int
 ) -> list[str]:
-    """Replica ids, most preferred first (see the module docstring for the rule)."""
+    """Replica ids, most preferred first (see the module docstring for the rule): by
+    estimated time to first token when every candidate has one, else within ``load_slack``
+    of the least loaded."""
     if not candidates:
         return []
     hashed = {rid: i for i, rid in enumerate(rank(key, [c.replica_id for c in candidates]))}
     available = [c for c in candidates if c.load < c.capacity]
     least = min((c.load for c in available), default=0)
+    timed = all(c.ttft_s is not None for c in candidates)
 
     def preference(c: Candidate) -> tuple:
-        near = c in available and c.load <= least + load_slack
+        soon = c.ttft_s if timed else float(c.load > least + load_slack)
         return (
-            not near,
             c not in available,
+            soon,
             -c.held_blocks,
             c.replica_id != session_replica,
             hashed[c.replica_id],
@@ -275,11 +309,11 @@ class CacheAwareRouter(RequestRouter):
     def initialize_state(
         self,
         tokenizer: str | None = None,
-        load_slack: int = 4,
+        batch_size: int = 4,
         recent_ttl_s: float = RECENT_TTL_S,
     ) -> None:
         self._tokenizer = PromptTokenizer(tokenizer)
-        self._load_slack = load_slack
+        self._batch_size = max(1, batch_size)
         self._recent_ttl_s = recent_ttl_s
         self._pending: OrderedDict[str, _Request] = OrderedDict()
         self._inflight: dict[str, tuple[str, _Request]] = {}  # request id -> replica, request
@@ -322,16 +356,42 @@ class CacheAwareRouter(RequestRouter):
                 return size
         return DEFAULT_BLOCK_SIZE
 
-    def _candidate(self, replica: RunningReplica, keys: list[int]) -> Candidate:
+    @staticmethod
+    def _rates(candidates: list[RunningReplica]) -> ServiceRates | None:
+        """The replicas' reported service times, averaged; None until one reports both."""
+        found = [
+            (stats[STATS_PREFILL_S_PER_TOKEN], stats[STATS_SERVICE_S])
+            for stats in (r.routing_stats or {} for r in candidates)
+            if STATS_PREFILL_S_PER_TOKEN in stats and STATS_SERVICE_S in stats
+        ]
+        if not found:
+            return None
+        return ServiceRates(
+            prefill_s_per_token=sum(f[0] for f in found) / len(found),
+            service_s=sum(f[1] for f in found) / len(found),
+        )
+
+    def _candidate(
+        self, replica: RunningReplica, request: _Request, rates: ServiceRates | None
+    ) -> Candidate:
         rid = replica.replica_id.unique_id
         reported, _ = self._held(replica)
         recent = self._recent.get(rid) or _Recent()
         cached_len = self.replica_queue_len_cache.get(replica.replica_id) or 0
+        load = max(self._load[rid], cached_len)
+        keys = request.chain(request.block_size)
+        held = held_prefix(keys, reported, recent)
+        ttft = None
+        if rates is not None:
+            tokens = len(request.tokens or ())
+            uncached = max(0, tokens - held * request.block_size)
+            ttft = estimate_ttft(rates, self._batch_size, load, uncached)
         return Candidate(
             replica_id=rid,
-            load=max(self._load[rid], cached_len),
+            load=load,
             capacity=replica.max_ongoing_requests,
-            held_blocks=held_prefix(keys, reported, recent),
+            held_blocks=held,
+            ttft_s=ttft,
         )
 
     # ------------------------------------------------------------------ Serve's hooks
@@ -349,13 +409,13 @@ class CacheAwareRouter(RequestRouter):
             self._forget_except(self._live)
         request = await self._request(pending_request)
         request.block_size = self._block_size(candidate_replicas)
-        keys = request.chain(request.block_size)
+        rates = self._rates(candidate_replicas)
         session_replica = self._sessions.get(request.session) if request.session else None
         order = order_candidates(
-            [self._candidate(r, keys) for r in candidate_replicas],
+            [self._candidate(r, request, rates) for r in candidate_replicas],
             session_replica,
             request.key,
-            self._load_slack,
+            self._batch_size,
         )
         return [[by_id[rid]] for rid in order]
 
@@ -405,16 +465,15 @@ class CacheAwareRouter(RequestRouter):
 def router_config(cfg: Any, batch_size: int) -> Any:
     """Serve's ``RequestRouterConfig`` of a cache-aware model deployment (``cfg``: its
     :class:`~rbln_ray.serve.config.ModelDeploymentConfig`): this router, the tokenizer it
-    counts prompt blocks with (vLLM's ``tokenizer`` option, else the model's), the load slack
-    (one compiled batch: a replica may carry one batch more than the least loaded before a
-    request leaves its cache for load) and the report period."""
+    counts prompt blocks with (vLLM's ``tokenizer`` option, else the model's), the compiled
+    batch (the decode slots a replica has) and the report period."""
     from ray.serve.config import RequestRouterConfig
 
     return RequestRouterConfig(
         request_router_class=f"{__name__}.CacheAwareRouter",
         request_router_kwargs={
             "tokenizer": cfg.engine_kwargs.get("tokenizer") or cfg.model,
-            "load_slack": max(1, batch_size),
+            "batch_size": max(1, batch_size),
         },
         request_routing_stats_period_s=STATS_PERIOD_S,
     )

@@ -179,6 +179,13 @@ class LLMServer:
 
             self._kv_events = KVEventListener.start()
             args.kv_events_config = self._kv_events.engine_config()
+        stat_loggers: list[Any] = [RayPrometheusStatLogger]
+        self._service_times = None
+        if kv_events:  # the router also weighs this replica's times (service_times)
+            from rbln_ray.serve.service_times import ServiceTimes
+
+            self._service_times = ServiceTimes()
+            stat_loggers.append(self._service_times.factory)
         engine_args = AsyncEngineArgs.from_cli_args(args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         # The replica's placement group holds the RBLN bundles its worker actors will use.
@@ -189,7 +196,7 @@ class LLMServer:
             disable_log_stats=engine_args.disable_log_stats,
             # vLLM's engine metrics through Ray's metrics pipeline (Ray's metrics export on
             # this node), tagged with this replica, instead of this process's own registry.
-            stat_loggers=[RayPrometheusStatLogger],
+            stat_loggers=stat_loggers,
         )
         tasks = await self.engine.get_supported_tasks()
         self.tasks = tuple(tasks)
@@ -204,6 +211,8 @@ class LLMServer:
         if self.cfg.warm_up and "generate" in self.tasks:
             sizes = compiled_artifact(vllm_config).decoder_batch_sizes
             await warm_up(self.state, self.engine, self.cfg.name, sizes)
+        if self._service_times is not None:
+            self._service_times.reset()  # warm-up requests are not the traffic it reports
         await self._warm_app()
         logger.info("model %s ready in replica pid %d", self.cfg.name, os.getpid())
 
@@ -329,10 +338,14 @@ class LLMServer:
         return (await self.state.openai_serving_models.show_available_models()).model_dump()
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Serve's routing stats: what this replica's prefix cache holds (cache-aware routing
-        only, :mod:`rbln_ray.serve.kv_events`)."""
-        listener = getattr(self, "_kv_events", None)
-        return listener.report() if listener is not None else {}
+        """Serve's routing stats (cache-aware routing only): what this replica's prefix cache
+        holds (:mod:`rbln_ray.serve.kv_events`) and its service times
+        (:mod:`rbln_ray.serve.service_times`)."""
+        stats: dict[str, Any] = {}
+        for source in (getattr(self, "_kv_events", None), getattr(self, "_service_times", None)):
+            if source is not None:
+                stats.update(source.report())
+        return stats
 
     async def check_health(self) -> None:
         """Serve's replica health check: a dead engine marks the replica unhealthy."""

@@ -7,7 +7,9 @@ vLLM's mixed step; rather than rewrite ``Scheduler.schedule``, rbln-ray narrows 
 of it sees (:func:`scheduler_view`). RBLN KV blocks are invisible to vLLM's block accounting,
 so rbln-ray preempts (:func:`preempt`) and evicts prefixes (:func:`evict_cached_hashes`)
 through the scheduler's own methods. vLLM's sampler state lives in ``InputBatch`` arrays a
-model runner writes directly (:func:`record_sampled_token`), as vLLM's own runners do.
+model runner writes directly (:func:`record_sampled_token`), as vLLM's own runners do. A
+replica reads its requests' service times from the engine's stats
+(:func:`finished_request_times`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ RUNNER_PY = "rbln_ray/vllm_plugin/model_runner.py"
 LORA_PY = "rbln_ray/vllm_plugin/lora.py"
 SPEC_SAMPLING_PY = "rbln_ray/vllm_plugin/spec/sampling.py"
 REJECTION = "vllm.v1.sample.rejection_sampler"
+FINISHED = "vllm.v1.metrics.stats:FinishedRequestStats"
+SERVICE_PY = "rbln_ray/serve/service_times.py"
 # vLLM's rejection sampler launches four Triton kernels through dispatchers; rbln-ray swaps
 # each dispatcher's kernel for a pure-torch one whose parameters are the dispatcher's input
 # names plus the launch keywords named here (see install_rejection_kernels).
@@ -231,6 +235,22 @@ REQUIREMENTS: tuple[Requirement, ...] = (
             Requirement(f"{REJECTION}:{name}", SPEC_SAMPLING_PY, "source mentions", launch),
         )
     ),
+    # a replica's measured service times (cache-aware routing): vLLM documents StatLoggerBase
+    # for users, but not the stats objects it is handed
+    *(
+        Requirement(f"{FINISHED}.{name}", f"{SERVICE_PY} (finished_request_times)", "attribute")
+        for name in ("num_prompt_tokens", "num_cached_tokens", "prefill_time", "inference_time")
+    ),
+    Requirement(
+        "vllm.v1.metrics.stats:IterationStats.finished_requests",
+        f"{SERVICE_PY} (finished_request_times)",
+        "instance attribute",
+    ),
+    Requirement(
+        "vllm.v1.metrics.loggers:StatLoggerBase.record",
+        SERVICE_PY,
+        params=("scheduler_stats", "iteration_stats"),
+    ),
     Requirement(
         "vllm.model_executor.warmup.jit_warmup_triton_helper:VllmTritonJitKernel",
         f"{SPEC_SAMPLING_PY} (install_rejection_kernels)",
@@ -381,3 +401,19 @@ def ngram_propose(proposer: Any, k: int, sampled: list[list[int]], batch: Any) -
     """vLLM's ``NgramProposer`` over the input batch's token record (rows in batch order;
     a row without a new token gets no drafts)."""
     return proposer.propose(k, sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)
+
+
+def finished_request_times(iteration_stats: Any) -> list[tuple[int, float, float]]:
+    """Per request that finished in one engine step: the prompt tokens it prefilled (not
+    served from the prefix cache), its prefill time (scheduled to first token) and its
+    inference time (scheduled to last token: how long it held a decode slot), in seconds."""
+    if iteration_stats is None:
+        return []
+    return [
+        (
+            max(0, r.num_prompt_tokens - r.num_cached_tokens),
+            float(r.prefill_time),
+            float(r.inference_time),
+        )
+        for r in iteration_stats.finished_requests
+    ]

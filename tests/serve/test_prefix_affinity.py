@@ -154,6 +154,7 @@ def test_a_session_sticks_moves_when_full_and_survives_its_replica(
 
     from rbln_ray.serve.cache_routing import PromptTokenizer
     from rbln_ray.serve.kv_index import chain_hashes
+    from rbln_ray.serve.service_times import STATS_PREFILL_S_PER_TOKEN, STATS_SERVICE_S
 
     tokenizer = PromptTokenizer(str(affinity_app.model_dir))
     history = [{"role": "system", "content": system_prompt(7)}]
@@ -178,9 +179,12 @@ def test_a_session_sticks_moves_when_full_and_survives_its_replica(
     while holders() != 1:  # the replica's KV event listener catches up within milliseconds
         assert time.monotonic() < deadline, "no single replica reports the session's blocks"
         time.sleep(0.5)  # polling the replicas' reports
+    # the replica that served the turns also reports their times, from vLLM's request stats
+    timed = [r for r in replica_reports() if STATS_SERVICE_S in r]
+    assert timed and all(r[STATS_PREFILL_S_PER_TOKEN] > 0 for r in timed), replica_reports()
 
-    # (2) a burst of the session's turns: its replica takes them up to the load slack, the
-    # rest go to the other replica
+    # (2) a burst of the session's turns: its replica takes them while waiting for one of its
+    # decode slots costs less than prefilling the history on the other, the rest go there
     before = replica_prefills()
     burst = [list(history) for _ in range(16)]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:

@@ -22,6 +22,8 @@ from rbln_ray.serve.cache_routing import (
     CacheAwareRouter,
     Candidate,
     PromptTokenizer,
+    ServiceRates,
+    estimate_ttft,
     order_candidates,
     router_config,
     session_of,
@@ -29,6 +31,11 @@ from rbln_ray.serve.cache_routing import (
 from rbln_ray.serve.kv_events import STATS_BLOCK_SIZE, STATS_BLOCKS, STATS_EVENTS
 from rbln_ray.serve.kv_index import CachedBlocks, chain_hashes, held_prefix
 from rbln_ray.serve.routing import rank
+from rbln_ray.serve.service_times import (
+    STATS_PREFILL_S_PER_TOKEN,
+    STATS_SERVICE_S,
+    ServiceTimes,
+)
 
 BS = 4  # a small block size keeps the token lists readable
 
@@ -120,8 +127,10 @@ def test_listener_indexes_what_vllms_publisher_sends() -> None:
 
 
 # ------------------------------------------------------------------ the policy
-def cand(rid: str, load: int = 0, held: int = 0, capacity: int = 8) -> Candidate:
-    return Candidate(replica_id=rid, load=load, capacity=capacity, held_blocks=held)
+def cand(
+    rid: str, load: int = 0, held: int = 0, capacity: int = 8, ttft: float | None = None
+) -> Candidate:
+    return Candidate(replica_id=rid, load=load, capacity=capacity, held_blocks=held, ttft_s=ttft)
 
 
 def test_policy_prefers_the_cache_then_the_session_within_the_load_slack() -> None:
@@ -141,6 +150,33 @@ def test_policy_prefers_the_cache_then_the_session_within_the_load_slack() -> No
     full = cand("a", load=8, held=9)
     assert order_candidates([full, cand("b", load=7)], None, "k", 4) == ["b", "a"]
     assert order_candidates([], None, "k", 4) == []
+
+
+def test_estimate_prices_the_slot_wait_against_the_uncached_prefill() -> None:
+    rates = ServiceRates(prefill_s_per_token=0.001, service_s=8.0)
+    # free slots (load < batch): only the prefill of what the replica lacks
+    assert estimate_ttft(rates, 4, load=3, uncached_tokens=500) == pytest.approx(0.5)
+    # every slot busy: one of 4 slots frees every 8 / 4 s; two ahead wait for two
+    assert estimate_ttft(rates, 4, load=4, uncached_tokens=0) == pytest.approx(2.0)
+    assert estimate_ttft(rates, 4, load=5, uncached_tokens=100) == pytest.approx(4.1)
+
+
+def test_policy_sends_a_request_where_its_first_token_comes_soonest() -> None:
+    # the cache's replica waits for a slot longer than the other would prefill: leave it
+    cached, idle = cand("a", load=6, held=9, ttft=4.0), cand("b", load=1, ttft=2.3)
+    assert order_candidates([cached, idle], "a", "k", 4) == ["b", "a"]
+    # a short wait is worth a long miss, even beyond the load slack
+    cached, idle = cand("a", load=6, held=9, ttft=1.0), cand("b", load=1, ttft=2.3)
+    assert order_candidates([cached, idle], None, "k", 4) == ["a", "b"]
+    # equal estimates: the longer held prefix, then the session, then the hash
+    a, b = cand("a", held=2, ttft=0.5), cand("b", held=3, ttft=0.5)
+    assert order_candidates([a, b], "a", "k", 4)[0] == "b"
+    a, b = cand("a", ttft=0.5), cand("b", ttft=0.5)
+    assert order_candidates([a, b], "b", "k", 4)[0] == "b"
+    assert order_candidates([a, b], None, "k", 4) == rank("k", ["a", "b"])
+    # a full replica goes last, however soon
+    full = cand("a", load=8, held=9, ttft=0.0)
+    assert order_candidates([full, cand("b", load=7, ttft=9.0)], None, "k", 4) == ["b", "a"]
 
 
 def test_policy_spreads_new_sessions_and_agrees_on_each() -> None:
@@ -232,9 +268,9 @@ def pending(prompt: list[int], **kwargs: Any) -> PendingRequest:
     return PendingRequest(args=[{"prompt": prompt}], kwargs=kwargs, metadata=meta)
 
 
-def make_router(load_slack: int = 4) -> CacheAwareRouter:
+def make_router(batch_size: int = 4) -> CacheAwareRouter:
     router = CacheAwareRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(tokenizer=None, load_slack=load_slack, recent_ttl_s=60)
+    router.initialize_state(tokenizer=None, batch_size=batch_size, recent_ttl_s=60)
     return router
 
 
@@ -279,7 +315,7 @@ def test_router_follows_reported_caches_sends_and_sessions() -> None:
 
 def test_router_balances_load_and_forgets_dead_replicas() -> None:
     async def scenario() -> None:  # PendingRequest needs a running loop
-        router = make_router(load_slack=2)
+        router = make_router(batch_size=2)
         doc = list(range(3000, 3000 + 4 * BS))
         a, b = replica("a", routing_stats=report(doc)), replica("b")
         sent = []
@@ -300,13 +336,65 @@ def test_router_balances_load_and_forgets_dead_replicas() -> None:
     asyncio.run(scenario())
 
 
+def test_router_weighs_reported_service_times() -> None:
+    """With times reported, a replica holding the prompt keeps it while its slot wait is
+    shorter than the other's prefill of the whole prompt, and loses it once it is not."""
+
+    async def scenario(service_s: float, load: int) -> str:  # PendingRequest needs a loop
+        router = make_router(batch_size=2)
+        doc = list(range(5000, 5000 + 100 * BS))  # 400 tokens: 0.4 s to prefill
+        times = {STATS_PREFILL_S_PER_TOKEN: 0.001, STATS_SERVICE_S: service_s}
+        a = replica("a", routing_stats={**report(doc), **times})
+        b = replica("b", routing_stats=dict(times))
+        for _ in range(load):  # requests a runs (b runs none)
+            req = pending([7] * BS)
+            assert await first(router, [a], req) == "a"
+            router.on_request_routed(req, ReplicaID("a", DEPLOYMENT), None)
+        return await first(router, [a, b], pending(doc + [1], session="s"))
+
+    # a has a free slot: it holds the prompt, so it is sooner
+    assert asyncio.run(scenario(service_s=10.0, load=1)) == "a"
+    # both slots busy, one frees every 0.3 s / 2: sooner than 0.4 s of prefill on b
+    assert asyncio.run(scenario(service_s=0.3, load=2)) == "a"
+    # one frees every 10 s / 2: b prefills the whole prompt sooner
+    assert asyncio.run(scenario(service_s=10.0, load=2)) == "b"
+
+
+def test_replica_reports_its_service_times_from_vllms_request_stats() -> None:
+    """The stat logger, fed vLLM's own stats objects, reports the window's prefill time per
+    prefilled token (a ratio of sums) and mean slot time; warm-up is forgotten."""
+    from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats
+
+    def finished(prompt: int, cached: int, prefill: float, inference: float) -> Any:
+        return FinishedRequestStats(
+            finish_reason=None,
+            num_prompt_tokens=prompt,
+            num_cached_tokens=cached,
+            prefill_time=prefill,
+            inference_time=inference,
+        )
+
+    times = ServiceTimes()
+    assert times.factory(None, 0) is times  # what the engine's stat_loggers list calls
+    assert times.report() == {}
+    step = IterationStats()
+    step.finished_requests = [finished(1000, 200, 0.8, 4.0), finished(300, 100, 0.2, 2.0)]
+    times.record(None, step)
+    times.record(None, None)  # a step without iteration stats changes nothing
+    out = times.report()
+    assert out[STATS_PREFILL_S_PER_TOKEN] == pytest.approx(1.0 / 1000)
+    assert out[STATS_SERVICE_S] == pytest.approx(3.0)
+    times.reset()
+    assert times.report() == {}
+
+
 def test_router_config_names_this_router_and_reports_every_second(tmp_path) -> None:
     from rbln_ray.serve.config import ModelDeploymentConfig
 
     cfg = ModelDeploymentConfig(name="m", model=str(tmp_path), engine_kwargs={"tokenizer": "t"})
     config = router_config(cfg, batch_size=4)
     assert config.request_router_class.endswith("cache_routing.CacheAwareRouter")
-    assert config.request_router_kwargs == {"tokenizer": "t", "load_slack": 4}
+    assert config.request_router_kwargs == {"tokenizer": "t", "batch_size": 4}
     assert config.request_routing_stats_period_s == 1.0
     assert router_config(cfg.model_copy(update={"engine_kwargs": {}}), 8).request_router_kwargs[
         "tokenizer"
