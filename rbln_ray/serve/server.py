@@ -185,7 +185,7 @@ class LLMServer:
             from rbln_ray.serve.service_times import ServiceTimes
 
             self._service_times = ServiceTimes()
-            stat_loggers.append(self._service_times.factory)
+            stat_loggers.append(self._service_times.stat_logger())
         engine_args = AsyncEngineArgs.from_cli_args(args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         # The replica's placement group holds the RBLN bundles its worker actors will use.

@@ -17,6 +17,10 @@ keeps the last :data:`WINDOW` requests':
 The replica's warm-up requests (a few tokens each) are dropped (:meth:`ServiceTimes.reset`),
 so a report describes user traffic only; until the first user request ends it has no times,
 and the router falls back to its load-slack rule.
+
+This module stays importable without vLLM (the router imports its keys in every process that
+holds a deployment handle, Python clients included): the stat logger class is built when a
+replica asks for it (:meth:`ServiceTimes.stat_logger`).
 """
 
 from __future__ import annotations
@@ -24,8 +28,6 @@ from __future__ import annotations
 import threading
 from collections import deque
 from typing import Any
-
-from vllm.v1.metrics.loggers import StatLoggerBase
 
 from rbln_ray.upstream.vllm_internals import finished_request_times
 
@@ -35,32 +37,43 @@ STATS_PREFILL_S_PER_TOKEN = "prefill_s_per_token"
 STATS_SERVICE_S = "service_s"
 
 
-class ServiceTimes(StatLoggerBase):
-    """A vLLM stat logger that keeps the last :data:`WINDOW` requests' times. One instance
-    per replica; :meth:`factory` is what the engine's ``stat_loggers`` list takes."""
+class ServiceTimes:
+    """The last :data:`WINDOW` requests' times of one replica's engine."""
 
-    def __init__(self, vllm_config: Any = None, engine_index: int = 0) -> None:
+    def __init__(self) -> None:
         self._lock = threading.Lock()  # recorded on the engine's loop, read by Serve
         self._times: deque[tuple[int, float, float]] = deque(maxlen=WINDOW)
 
-    def factory(self, vllm_config: Any, engine_index: int = 0) -> ServiceTimes:
-        """vLLM's per-engine stat logger factory: this instance, so the replica can read it."""
-        return self
+    def stat_logger(self) -> type:
+        """A vLLM stat logger class (what an engine's ``stat_loggers`` list takes: vLLM calls
+        it with the engine's config and index) whose instances record into this window."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
 
-    def record(
-        self,
-        scheduler_stats: Any,
-        iteration_stats: Any,
-        mm_cache_stats: Any = None,
-        engine_idx: int = 0,
-    ) -> None:
-        times = finished_request_times(iteration_stats)
-        if times:
-            with self._lock:
-                self._times.extend(t for t in times if t[2] > 0)
+        window = self
 
-    def log_engine_initialized(self) -> None:
-        pass
+        class ServiceTimesLogger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(
+                self,
+                scheduler_stats: Any,
+                iteration_stats: Any,
+                mm_cache_stats: Any = None,
+                engine_idx: int = 0,
+            ) -> None:
+                window.add(finished_request_times(iteration_stats))
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return ServiceTimesLogger
+
+    def add(self, times: list[tuple[int, float, float]]) -> None:
+        """Finished requests' (prefilled tokens, prefill s, slot s); ones that never ran a
+        step (aborted while waiting) are left out."""
+        with self._lock:
+            self._times.extend(t for t in times if t[2] > 0)
 
     def reset(self) -> None:
         with self._lock:

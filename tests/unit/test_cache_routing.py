@@ -374,18 +374,35 @@ def test_replica_reports_its_service_times_from_vllms_request_stats() -> None:
             inference_time=inference,
         )
 
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
     times = ServiceTimes()
-    assert times.factory(None, 0) is times  # what the engine's stat_loggers list calls
+    logger = times.stat_logger()(None, 0)  # as vLLM builds a per-engine logger
+    assert isinstance(logger, StatLoggerBase)
     assert times.report() == {}
     step = IterationStats()
     step.finished_requests = [finished(1000, 200, 0.8, 4.0), finished(300, 100, 0.2, 2.0)]
-    times.record(None, step)
-    times.record(None, None)  # a step without iteration stats changes nothing
+    logger.record(None, step)
+    logger.record(None, None)  # a step without iteration stats changes nothing
     out = times.report()
     assert out[STATS_PREFILL_S_PER_TOKEN] == pytest.approx(1.0 / 1000)
     assert out[STATS_SERVICE_S] == pytest.approx(3.0)
     times.reset()
     assert times.report() == {}
+
+
+def test_the_router_imports_without_vllm() -> None:
+    """A Python client's deployment handle builds the router in the client's process, which
+    need not import vLLM (seconds of start-up)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import rbln_ray.serve.cache_routing; "
+        "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_router_config_names_this_router_and_reports_every_second(tmp_path) -> None:
