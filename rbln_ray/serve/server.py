@@ -174,16 +174,14 @@ class LLMServer:
         os.environ.update(replica_env(limits_cfg))  # vLLM's audio decode cap: the app's
         args = engine_namespace(self.cfg, resolve_model_path(self.cfg.model), limits_cfg)
         self._kv_events = None
-        if kv_events:  # routing: cache_aware (rbln_ray.serve.kv_events)
+        self._service_times = None
+        stat_loggers: list[Any] = [RayPrometheusStatLogger]
+        if kv_events:  # routing: cache_aware: what is cached (kv_events), how fast (service_times)
             from rbln_ray.serve.kv_events import KVEventListener
+            from rbln_ray.serve.service_times import ServiceTimes
 
             self._kv_events = KVEventListener.start()
             args.kv_events_config = self._kv_events.engine_config()
-        stat_loggers: list[Any] = [RayPrometheusStatLogger]
-        self._service_times = None
-        if kv_events:  # the router also weighs this replica's times (service_times)
-            from rbln_ray.serve.service_times import ServiceTimes
-
             self._service_times = ServiceTimes()
             stat_loggers.append(self._service_times.stat_logger())
         engine_args = AsyncEngineArgs.from_cli_args(args)

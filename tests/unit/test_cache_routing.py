@@ -363,6 +363,7 @@ def test_router_weighs_reported_service_times() -> None:
 def test_replica_reports_its_service_times_from_vllms_request_stats() -> None:
     """The stat logger, fed vLLM's own stats objects, reports the window's prefill time per
     prefilled token (a ratio of sums) and mean slot time; warm-up is forgotten."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
     from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats
 
     def finished(prompt: int, cached: int, prefill: float, inference: float) -> Any:
@@ -373,8 +374,6 @@ def test_replica_reports_its_service_times_from_vllms_request_stats() -> None:
             prefill_time=prefill,
             inference_time=inference,
         )
-
-    from vllm.v1.metrics.loggers import StatLoggerBase
 
     times = ServiceTimes()
     logger = times.stat_logger()(None, 0)  # as vLLM builds a per-engine logger
