@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke: 2 replicas, 1 low rate, 45 s")
     p.add_argument("--systems", default="a,b,c")
-    p.add_argument("--rates", default="0.75,1.0,1.25,1.375,1.5", help="requests/s, comma list")
+    p.add_argument("--rates", default="1.0,1.25,1.375,1.4375,1.5", help="requests/s, comma list")
     p.add_argument("--duration", type=float, default=300, help="seconds of load per rate")
     p.add_argument(
         "--warmup", type=float, default=60, help="first seconds not measured (sessions ramp up)"
