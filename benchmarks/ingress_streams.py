@@ -90,23 +90,32 @@ def serve_run(compiled, prompts, args) -> dict[str, Any]:
 
     common.emulator_env("timing", args.shape)
     common.start_local_ray(num_cpus=8, rbln_devices=1)
+    # One event loop for the whole run: in Ray Serve's high-throughput mode a handle's router
+    # runs on the caller's loop (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0), so it must outlive
+    # each call.
+    loop = asyncio.new_event_loop()
     try:
         port = common.free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = common.deploy_serve_app(compiled, 1, port)
-        asyncio.run(wait_ready(url, 900))
+        loop.run_until_complete(wait_ready(url, 900))
         from rbln_ray.serve import APP_NAME
         from rbln_ray.serve.naming import server_deployment_name
 
         replica = serve.get_deployment_handle(server_deployment_name("demo"), APP_NAME)
 
         def steps() -> dict[str, Any]:  # the one replica's engine
-            return replica.engine_stats.remote().result(timeout_s=60)["steps"][0]
+            async def stats() -> dict[str, Any]:
+                return await replica.engine_stats.remote()
+
+            return loop.run_until_complete(stats())["steps"][0]
 
         # Warm-up apart, so the counters below cover exactly the measured phase.
-        asyncio.run(run_load(url, "demo", prompts[:4], args.output_len, 4, progress=False))
+        loop.run_until_complete(
+            run_load(url, "demo", prompts[:4], args.output_len, 4, progress=False)
+        )
         steps_before, before, t0 = steps(), cpu_by_role(), time.perf_counter()
-        res = asyncio.run(
+        res = loop.run_until_complete(
             run_load(url, "demo", prompts, args.output_len, args.concurrency, warmup=0)
         )
         wall = time.perf_counter() - t0
@@ -118,6 +127,7 @@ def serve_run(compiled, prompts, args) -> dict[str, Any]:
     finally:
         serve.shutdown()
         ray.shutdown()
+        loop.close()
 
 
 def inprocess_run(compiled, args) -> dict[str, Any]:
