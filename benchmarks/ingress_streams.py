@@ -38,8 +38,13 @@ from benchmarks.loadgen import run_load, wait_ready
 GOAL = 0.98
 # Ray Serve's documented high-throughput mode (Ray >= 2.55): HAProxy in front of the ingress
 # replicas, which serve HTTP themselves (direct ingress), and gRPC between deployments. Read
-# by every Serve process at import, so set before Ray starts.
-THROUGHPUT_OPTIMIZED_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+# by every Serve process at import, so set before Ray starts. Replies between deployments
+# then travel over gRPC, whose default cap (4 MiB) the replica's engine stats exceed.
+THROUGHPUT_OPTIMIZED_ENV = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(256 * 1024 * 1024),
+}
 ROLES = (  # process -> role, first match wins (Ray sets process titles)
     ("proxy", r"ProxyActor"),
     ("haproxy", r"haproxy"),
