@@ -62,20 +62,32 @@ async def stream_one(
 
 
 async def load_with_fault(app: RunningApp, fault) -> tuple[list[dict], float]:
-    """16 concurrent streams; ``fault(stats)`` runs once 8 of them (all slots) stream tokens.
+    """16 concurrent streams; ``fault(stats)`` runs once 8 of them (all slots) stream tokens
+    and both engines hold requests waiting behind their batch.
 
-    Returns the outcomes and the monotonic time of the fault.
+    The second condition matters: the first alone can hold while the ingress is still
+    routing the last requests (a loaded machine), and then the victim holds nothing to
+    retry. Returns the outcomes and the monotonic time of the fault.
     """
+    stats = await asyncio.to_thread(replica_stats, app)
+    ids = {name.rsplit("#", 1)[1] for name in stats}  # a replica actor's name ends in its id
+    batch = next(iter(stats.values()))["steps"][0]["batch_size"]
     started = [asyncio.Event() for _ in range(16)]
     async with httpx.AsyncClient(timeout=180) as client:
         tasks = [asyncio.create_task(stream_one(client, app.url, i, started[i])) for i in range(16)]
-        stats = await asyncio.to_thread(replica_stats, app)
         while sum(e.is_set() for e in started) < 8:
             await asyncio.wait(
                 [asyncio.create_task(e.wait()) for e in started if not e.is_set()],
                 timeout=60,
                 return_when=asyncio.FIRST_COMPLETED,
             )
+        await asyncio.to_thread(
+            wait_until,
+            lambda: engines_queue_beyond_their_batch(ids, batch),
+            60,
+            0.2,
+            "requests waiting in both engines",
+        )
         fault(stats)
         fault_at = time.monotonic()
         outcomes = await asyncio.wait_for(asyncio.gather(*tasks), timeout=170)
