@@ -214,6 +214,21 @@ def compiled_demo(batch: int, max_seq_len: int = 1024) -> tuple[Path, Path]:
     return hf_dir, compiled_artifact(hf_dir, batch, max_seq_len)
 
 
+def named_model_dir(name: str) -> Path:
+    """An HF model dir by name: ``demo`` (the demo model), ``copier`` (a small Llama
+    whose weights implement copying spans of its prompt, rbln_ray.models.copier), else a
+    path."""
+    if name == "demo":
+        from rbln_ray.models import demo_model_dir
+
+        return demo_model_dir()
+    if name == "copier":
+        from rbln_ray.models.copier import copier_model_dir
+
+        return copier_model_dir()
+    return Path(name)
+
+
 def vocab_of(model_dir: Path) -> int:
     return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
 

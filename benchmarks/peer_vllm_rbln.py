@@ -33,6 +33,7 @@ itself).
 
     python -m benchmarks.peer_vllm_rbln            # full: 5 runs, compute and timing modes
     python -m benchmarks.peer_vllm_rbln --modes modelled   # with speculation (issue 34)
+    python -m benchmarks.peer_vllm_rbln --modes modelled --model copier  # a model that copies
     python -m benchmarks.peer_vllm_rbln --quick    # smoke: smaller workloads, 2 runs
 """
 
@@ -191,7 +192,11 @@ def plot(results: dict[str, Any], name: str, quick: bool) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smaller workloads, 2 runs")
-    p.add_argument("--model", help="HF model dir (default: the demo model); head_dim >= 32")
+    p.add_argument(
+        "--model",
+        help="HF model dir, or `copier` (a small Llama built to copy its prompt; "
+        "default: the demo model); head_dim >= 32",
+    )
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="compiled batch")
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--runs", type=int, default=5, help="fresh engine runs per plugin and mode")
@@ -216,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     peer_python()  # fail early, naming `make peer-env`, if the side env is missing
 
     if args.model:
-        hf_dir = Path(args.model)
+        hf_dir = common.named_model_dir(args.model)
         compiled = common.compiled_artifact(hf_dir, args.batch, args.max_seq_len)
     else:
         hf_dir, compiled = common.compiled_demo(args.batch, args.max_seq_len)
@@ -263,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         stem += "_" + args.modes.replace(",", "_")
     if args.batch != DEFAULT_BATCH:
         stem += f"_batch{args.batch}"
+    if args.model == "copier":
+        stem += "_copier"
     common.save(stem, {"settings": settings, "results": results}, args.quick)
     print(f"plot: {plot(results, stem, args.quick)}")
     for mode, r in results.items():

@@ -9,12 +9,15 @@ times are the modelled device's (rbln_ray.emulator.timing; overruns, calls whose
 compute took longer than the model, are reported). Timing mode alone would be meaningless
 here: its zero logits accept every draft.
 
-**Model**: the trained demo model (a small Llama trained briefly on the standard library's
-Python). It does not copy spans of its prompt as a real LLM does on code edits, summaries or
-RAG answers (``copy_rate`` in the results: the share of output tokens equal to the span
-the prompt restarts); what the n-gram proposer finds in its outputs is mostly its own
-repetition. So the ``grounded`` figures are those of a weak copier: a model that copies its
-input gets more drafts accepted. Greedy outputs with speculation must equal those without
+**Model** (``--model``): ``demo``, the trained demo model (a small Llama trained briefly on the
+standard library's Python), or ``copier``, a small Llama whose weights are set by hand to an
+induction circuit that copies spans of its prompt (rbln_ray.models.copier). The demo model
+does not copy spans of its prompt as a real LLM does on code edits, summaries or RAG answers
+(``copy_rate`` in the results: the share of output tokens equal to the span the prompt
+restarts); what the n-gram proposer finds in its outputs is mostly its own repetition, so its
+``grounded`` figures are those of a weak copier. The copier stands in for a model that copies
+its input; it also repeats random prompts, so on ``mixed`` it gains as on ``grounded`` and
+does not exercise the fallback. Greedy outputs with speculation must equal those without
 (checked, ``same_tokens``).
 
 **Workloads** (greedy, ignore_eos, ``--output-len`` tokens):
@@ -148,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", default="modelled", choices=["modelled", "compute"])
     p.add_argument("--batch", type=int, default=4, help="compiled batch")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument(
+        "--model",
+        choices=("demo", "copier"),
+        default="demo",
+        help="the demo model, or the copier (a small Llama built to copy its prompt)",
+    )
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--prompts-per-row", type=int, default=6, help="prompts per batch row")
@@ -160,9 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.output_len, args.prompts_per_row = 32, 2
 
-    from rbln_ray.models import demo_model_dir
-
-    hf_dir = demo_model_dir()
+    hf_dir = common.named_model_dir(args.model)
     model = compiled(hf_dir, args.batch, args.k)
     vocab = common.vocab_of(hf_dir)
     warmup = mixed_prompts(vocab, 2, 16, seed=99)
@@ -277,8 +284,14 @@ def report(data: dict, quick: bool) -> None:
             f"{ng['overrun_calls']}; same tokens {ng['same_tokens']}" + extra
         )
     data["summary"] = summary
-    common.save("spec_decode", data, quick)
+    common.save(stem(args), data, quick)
     plot(summary, args, quick)
+
+
+def stem(args: argparse.Namespace) -> str:
+    """Result file name: the demo model's keeps ``spec_decode``, the copier's is beside it."""
+    model = getattr(args, "model", "demo")  # result files before --model had the demo's
+    return "spec_decode" if model == "demo" else f"spec_decode_{model}"
 
 
 def plot(summary: dict, args, quick: bool) -> None:
@@ -299,10 +312,13 @@ def plot(summary: dict, args, quick: bool) -> None:
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks(list(xs), keys)
     ax.set_ylabel("output tok/s vs no speculation")
-    ax.set_title(f"speculative decoding, modelled ATOM ({args.shape}), k={args.k}")
+    ax.set_title(
+        f"speculative decoding, {getattr(args, 'model', 'demo')} model, "
+        f"modelled ATOM ({args.shape}), k={args.k}"
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(common.plot_path("spec_decode", quick), dpi=120)
+    fig.savefig(common.plot_path(stem(args), quick), dpi=120)
 
 
 if __name__ == "__main__":
