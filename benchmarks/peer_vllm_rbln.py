@@ -160,7 +160,7 @@ def tick_label(workload: str, summary: dict[str, Any]) -> str:
     return label
 
 
-def plot(results: dict[str, Any], name: str, quick: bool) -> Path:
+def plot(results: dict[str, Any], name: str, quick: bool, model: str = "demo model") -> Path:
     plt = common.pyplot()
     modes = list(results)
     fig, axes = plt.subplots(1, len(modes), figsize=(max(8, 6 * len(modes)), 4.4), squeeze=False)
@@ -182,7 +182,9 @@ def plot(results: dict[str, Any], name: str, quick: bool) -> Path:
         ax.set_ylabel("output tokens/s (median; dots = runs)")
         ax.set_title(f"{mode} mode" + (" (quick)" if quick else ""))
         ax.legend(fontsize=8)
-    fig.suptitle("rbln-ray vs vllm-rbln 0.12.0, same artifact and prompts (xN: ÷ vllm-rbln)")
+    fig.suptitle(
+        f"rbln-ray vs vllm-rbln 0.12.0, {model}, same artifact and prompts (xN: ÷ vllm-rbln)"
+    )
     fig.tight_layout()
     path = common.plot_path(name, quick)
     fig.savefig(path)
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model == "copier":
         stem += "_copier"
     common.save(stem, {"settings": settings, "results": results}, args.quick)
-    print(f"plot: {plot(results, stem, args.quick)}")
+    print(f"plot: {plot(results, stem, args.quick, args.model or 'demo model')}")
     for mode, r in results.items():
         for name, s in r["summary"].items():
             med = s["median_output_tok_per_s"]
