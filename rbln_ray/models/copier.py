@@ -94,11 +94,11 @@ def copier_state(shape: CopierShape, vocab: int) -> dict:
     normed = [math.sqrt(h / n) for n in (2, 2 + lags, 3 + lags)]
     scale = hd**-0.5  # Llama's attention scaling
     theta = shape.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    half = hd // 2  # RoPE pairs dimension j with j + half (transformers' rotate_half)
     pos = torch.arange(shape.positional_pairs)
     # Score gap between the peak (d = k) and its neighbours, per unit amplitude squared.
     gap = float((1 - torch.cos(theta[pos])).sum())
     amp = math.sqrt(shape.position_logit_gap / (gap * scale))
-    half = hd // 2
     static = [*range(shape.positional_pairs, half), *range(half + shape.positional_pairs, hd)]
     if len(static) < lags * m:
         raise ValueError(f"{shape}: {len(static)} unrotated head dims, {lags * m} needed")
@@ -122,7 +122,7 @@ def copier_state(shape: CopierShape, vocab: int) -> dict:
                 lag = i + 1
                 k[rows][pos, const] = amp / c
                 q[rows][pos, const] = amp * torch.cos(lag * theta[pos]).float() / c
-                q[rows][pos + hd // 2, const] = -amp * torch.sin(lag * theta[pos]).float() / c
+                q[rows][pos + half, const] = -amp * torch.sin(lag * theta[pos]).float() / c
                 v[rows][:m, tok] = proj / c
                 o[back[i], rows.start : rows.start + m] = eye_m
         else:  # head 0 matches the last tokens against those before each earlier position
