@@ -210,8 +210,9 @@ def build_copier(out: Path, shape: CopierShape) -> None:
     """Write the copier (weights, config, the demo tokenizer and its measured copy rate)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(demo_model_dir()))
-    vocab = AutoConfig.from_pretrained(str(demo_model_dir())).vocab_size
+    demo = str(demo_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(demo)
+    vocab = AutoConfig.from_pretrained(demo).vocab_size
     special = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
     model = copier_model(shape, vocab, special)
     copy_rate = held_out_copy_rate(model, tokenizer)

@@ -70,8 +70,6 @@ async def load_with_fault(app: RunningApp, fault) -> tuple[list[dict], float]:
     retry. Returns the outcomes and the monotonic time of the fault.
     """
     stats = await asyncio.to_thread(replica_stats, app)
-    ids = {name.rsplit("#", 1)[1] for name in stats}  # a replica actor's name ends in its id
-    batch = next(iter(stats.values()))["steps"][0]["batch_size"]
     started = [asyncio.Event() for _ in range(16)]
     async with httpx.AsyncClient(timeout=180) as client:
         tasks = [asyncio.create_task(stream_one(client, app.url, i, started[i])) for i in range(16)]
@@ -83,7 +81,7 @@ async def load_with_fault(app: RunningApp, fault) -> tuple[list[dict], float]:
             )
         await asyncio.to_thread(
             wait_until,
-            lambda: engines_queue_beyond_their_batch(ids, batch),
+            lambda: engines_queue_beyond_their_batch(stats),
             60,
             0.2,
             "requests waiting in both engines",
@@ -177,12 +175,21 @@ def both_batches_full(app: RunningApp) -> bool:
     return len(stats) == 2 and all(s["slots_in_use"] == s["batch_size"] for s in first_ranks)
 
 
-def engines_queue_beyond_their_batch(replicas: set[str], batch_size: int) -> bool:
-    """Each of ``replicas`` (Serve replica ids) runs a full batch and has requests waiting
-    in its engine: vLLM's own gauges in Ray's metrics export, read per replica id, so a
-    replaced replica's last values do not count. (Not ``engine_stats``: a replica holding
-    ``max_ongoing_requests`` takes no handle call until one of its requests ends.)"""
+def batch_of(stats: dict[str, dict]) -> int:
+    """The compiled batch of the replicas in ``stats`` (:func:`replica_stats`)."""
+    return next(iter(stats.values()))["steps"][0]["batch_size"]
+
+
+def engines_queue_beyond_their_batch(stats: dict[str, dict]) -> bool:
+    """Each replica of ``stats`` (:func:`replica_stats`, taken before the load) runs a full
+    batch and has requests waiting in its engine: vLLM's own gauges in Ray's metrics export,
+    read per replica id, so a replaced replica's last values do not count. (Not a fresh
+    ``engine_stats``: a replica holding ``max_ongoing_requests`` takes no handle call until
+    one of its requests ends.)"""
     from tests.ray_metrics import samples
+
+    replicas = {name.rsplit("#", 1)[1] for name in stats}  # an actor's name ends in its id
+    batch_size = batch_of(stats)
 
     running_name, waiting_name = "ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting"
     found = [s for s in samples(running_name, waiting_name) if s.labels.get("model_name") == MODEL]
@@ -267,7 +274,7 @@ def test_a_request_whose_step_raises_fails_alone_and_costs_one_replica(
     wait_until(lambda: len(replica_stats(tiny_app)) == 2, 300, 1, "both replicas up")
     stats = replica_stats(tiny_app)
     names = set(stats)
-    batch = next(iter(stats.values()))["steps"][0]["batch_size"]
+    batch = batch_of(stats)
     before = retries(tiny_app)
 
     async def poison() -> httpx.Response:
@@ -279,11 +286,8 @@ def test_a_request_whose_step_raises_fails_alone_and_costs_one_replica(
     # put at least batch + 1 in each engine (one or more waiting wherever the poison lands)
     # and leave room for the poison.
     n = 3 * batch + 1
-    ids = {name.rsplit("#", 1)[1] for name in names}  # a replica actor's name ends in its id
     outcomes, bad = asyncio.run(
-        requests_with_fault(
-            tiny_app, n, poison, lambda _: engines_queue_beyond_their_batch(ids, batch)
-        )
+        requests_with_fault(tiny_app, n, poison, lambda _: engines_queue_beyond_their_batch(stats))
     )
     assert bad.status_code == 500, bad.text
     assert bad.json()["error"]["code"] == 500 and bad.json()["error"]["message"]
