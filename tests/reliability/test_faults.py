@@ -164,17 +164,6 @@ def test_worker_kill_under_16_streams_retries_unstarted_requests(tiny_app: Runni
     check_terminal_and_recovery(tiny_app, outcomes, fault_at, "worker kill")
 
 
-def both_batches_full(app: RunningApp) -> bool:
-    """Every slot of both replicas' compiled batches in use, asked of the engines themselves.
-
-    Not from Ray's metrics export: a replica replaced by an earlier test can leave its last
-    ``rbln_slots_in_use`` there for a while, which let a fault land before the live replicas
-    held any request (then nothing was there to retry)."""
-    stats = replica_stats(app)
-    first_ranks = [replica["steps"][0] for replica in stats.values()]
-    return len(stats) == 2 and all(s["slots_in_use"] == s["batch_size"] for s in first_ranks)
-
-
 def batch_of(stats: dict[str, dict]) -> int:
     """The compiled batch of the replicas in ``stats`` (:func:`replica_stats`)."""
     return next(iter(stats.values()))["steps"][0]["batch_size"]
@@ -198,15 +187,13 @@ def engines_queue_beyond_their_batch(stats: dict[str, dict]) -> bool:
     return all(running.get(r) == batch_size and waiting.get(r, 0) >= 1 for r in replicas)
 
 
-async def requests_with_fault(
-    app: RunningApp, n: int, fault, ready=both_batches_full
-) -> tuple[list[dict], object]:
-    """``n`` concurrent non-streaming completions; ``await fault()`` once ``ready(app)``
-    (by default: both replicas hold a full batch, so the victim has requests decoding and
-    more waiting in its engine). Returns the outcomes and what the fault returned."""
+async def requests_with_fault(app: RunningApp, n: int, fault, ready) -> tuple[list[dict], object]:
+    """``n`` concurrent non-streaming completions; ``await fault()`` once ``ready()`` (e.g.
+    :func:`engines_queue_beyond_their_batch`: the victim has requests decoding and more
+    waiting in its engine). Returns the outcomes and what the fault returned."""
     async with httpx.AsyncClient(timeout=300) as client:
         tasks = [asyncio.create_task(complete_one(client, app.url, i)) for i in range(n)]
-        await asyncio.to_thread(wait_until, lambda: ready(app), 120, 0.2, "replicas loaded")
+        await asyncio.to_thread(wait_until, ready, 120, 0.2, "replicas loaded")
         caused = await fault()
         return await asyncio.gather(*tasks), caused
 
@@ -287,7 +274,7 @@ def test_a_request_whose_step_raises_fails_alone_and_costs_one_replica(
     # and leave room for the poison.
     n = 3 * batch + 1
     outcomes, bad = asyncio.run(
-        requests_with_fault(tiny_app, n, poison, lambda _: engines_queue_beyond_their_batch(stats))
+        requests_with_fault(tiny_app, n, poison, lambda: engines_queue_beyond_their_batch(stats))
     )
     assert bad.status_code == 500, bad.text
     assert bad.json()["error"]["code"] == 500 and bad.json()["error"]["message"]
@@ -312,7 +299,13 @@ def test_replica_kill_under_24_requests_loses_none(tiny_app: RunningApp) -> None
     async def kill_replica() -> None:
         ray.kill(ray.get_actor(next(iter(stats)), namespace="serve"), no_restart=True)
 
-    outcomes, _ = asyncio.run(requests_with_fault(tiny_app, 24, kill_replica))
+    # 24 > 2 x max_ongoing_requests (2 x batch): each engine decodes a full batch with more
+    # waiting, read from the metrics export (asking the engines would queue behind the load).
+    outcomes, _ = asyncio.run(
+        requests_with_fault(
+            tiny_app, 24, kill_replica, lambda: engines_queue_beyond_their_batch(stats)
+        )
+    )
     ok = [o for o in outcomes if o["status"] == 200 and o.get("tokens") == 300]
     assert len(ok) == 24, [o for o in outcomes if o not in ok]
     retried = retries_after(tiny_app, before)
