@@ -187,13 +187,18 @@ def engines_queue_beyond_their_batch(stats: dict[str, dict]) -> bool:
     return all(running.get(r) == batch_size and waiting.get(r, 0) >= 1 for r in replicas)
 
 
-async def requests_with_fault(app: RunningApp, n: int, fault, ready) -> tuple[list[dict], object]:
-    """``n`` concurrent non-streaming completions; ``await fault()`` once ``ready()`` (e.g.
-    :func:`engines_queue_beyond_their_batch`: the victim has requests decoding and more
-    waiting in its engine). Returns the outcomes and what the fault returned."""
+async def requests_with_fault(
+    app: RunningApp, stats: dict[str, dict], n: int, fault
+) -> tuple[list[dict], object]:
+    """``n`` concurrent non-streaming completions; ``await fault()`` once the replicas of
+    ``stats`` each decode a full batch with more waiting in their engines
+    (:func:`engines_queue_beyond_their_batch`; ``n`` must be large enough), so the victim
+    holds requests to retry. Returns the outcomes and what the fault returned."""
     async with httpx.AsyncClient(timeout=300) as client:
         tasks = [asyncio.create_task(complete_one(client, app.url, i)) for i in range(n)]
-        await asyncio.to_thread(wait_until, ready, 120, 0.2, "replicas loaded")
+        await asyncio.to_thread(
+            wait_until, lambda: engines_queue_beyond_their_batch(stats), 120, 0.2, "replicas loaded"
+        )
         caused = await fault()
         return await asyncio.gather(*tasks), caused
 
@@ -273,9 +278,7 @@ def test_a_request_whose_step_raises_fails_alone_and_costs_one_replica(
     # put at least batch + 1 in each engine (one or more waiting wherever the poison lands)
     # and leave room for the poison.
     n = 3 * batch + 1
-    outcomes, bad = asyncio.run(
-        requests_with_fault(tiny_app, n, poison, lambda: engines_queue_beyond_their_batch(stats))
-    )
+    outcomes, bad = asyncio.run(requests_with_fault(tiny_app, stats, n, poison))
     assert bad.status_code == 500, bad.text
     assert bad.json()["error"]["code"] == 500 and bad.json()["error"]["message"]
     ok = [o for o in outcomes if o["status"] == 200 and o.get("tokens") == 300]
@@ -299,13 +302,7 @@ def test_replica_kill_under_24_requests_loses_none(tiny_app: RunningApp) -> None
     async def kill_replica() -> None:
         ray.kill(ray.get_actor(next(iter(stats)), namespace="serve"), no_restart=True)
 
-    # 24 > 2 x max_ongoing_requests (2 x batch): each engine decodes a full batch with more
-    # waiting, read from the metrics export (asking the engines would queue behind the load).
-    outcomes, _ = asyncio.run(
-        requests_with_fault(
-            tiny_app, 24, kill_replica, lambda: engines_queue_beyond_their_batch(stats)
-        )
-    )
+    outcomes, _ = asyncio.run(requests_with_fault(tiny_app, stats, 24, kill_replica))
     ok = [o for o in outcomes if o["status"] == 200 and o.get("tokens") == 300]
     assert len(ok) == 24, [o for o in outcomes if o not in ok]
     retried = retries_after(tiny_app, before)
