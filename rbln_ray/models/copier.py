@@ -62,9 +62,6 @@ class CopierShape:
     output_logit: float = 30.0  # the copied token's logit
     seed: int = 0
 
-    def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
-
 
 def copier_state(shape: CopierShape, vocab: int) -> dict:
     """The copier's weights as a transformers ``LlamaForCausalLM`` state dict (module
@@ -206,13 +203,13 @@ def copier_model(shape: CopierShape, vocab: int, special_ids: tuple[int, int, in
     return model.eval()
 
 
-def build_copier(out: Path, shape: CopierShape) -> None:
-    """Write the copier (weights, config, the demo tokenizer and its measured copy rate)."""
+def build_copier(out: Path, shape: CopierShape, demo: Path) -> None:
+    """Write the copier (weights, config, the tokenizer of the demo model in ``demo`` and
+    the copier's measured copy rate)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    demo = str(demo_model_dir())
-    tokenizer = AutoTokenizer.from_pretrained(demo)
-    vocab = AutoConfig.from_pretrained(demo).vocab_size
+    tokenizer = AutoTokenizer.from_pretrained(str(demo))
+    vocab = AutoConfig.from_pretrained(str(demo)).vocab_size
     special = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
     model = copier_model(shape, vocab, special)
     copy_rate = held_out_copy_rate(model, tokenizer)
@@ -225,10 +222,14 @@ def build_copier(out: Path, shape: CopierShape) -> None:
 
 
 def copier_model_dir(shape: CopierShape | None = None) -> Path:
-    """Directory of the copier, built on first use (a few seconds)."""
+    """Directory of the copier, built on first use (a few seconds). Keyed by its shape and
+    by the demo model it takes its tokenizer and vocabulary from, so a changed demo model
+    gets a copier of its own."""
     shape = shape or CopierShape()
-    out = cache_dir() / "models" / f"copier-llama-{shape.key()}"
+    demo = demo_model_dir()
+    key = hashlib.sha256(json.dumps([asdict(shape), demo.name]).encode()).hexdigest()[:12]
+    out = cache_dir() / "models" / f"copier-llama-{key}"
     with file_lock(out.with_name(out.name + ".lock")):
         if not (out / "config.json").exists():
-            build_copier(out, shape)
+            build_copier(out, shape, demo)
     return out
