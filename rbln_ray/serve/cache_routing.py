@@ -53,8 +53,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections import Counter, OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +79,17 @@ RECENT_TTL_S = 5.0
 STATS_PERIOD_S = 1.0  # request_routing_stats_period_s of cache-aware deployments
 MAX_SESSIONS = 100_000  # remembered session -> replica pairs (least recently used dropped)
 MAX_PENDING = 4096  # requests whose routing inputs are cached while they wait for a replica
+# Tokenizing for routing: at most this long a request (then it is routed without tokens), at
+# most this many renders queued, at most this much text (a longer prompt is routed by its
+# start, or without tokens for chat).
+TOKENIZE_BUDGET_S = 1.0
+MAX_WAITING_RENDERS = 64
+MAX_CHARS = 256 * 1024
+# Chat-template kwargs a request may never pass, whatever the template reads.
+REFUSED_TEMPLATE_KWARGS = frozenset(
+    {"chat_template", "tokenize", "return_dict", "return_tensors", "tokenizer_kwargs",
+     "return_assistant_tokens_mask", "padding", "truncation", "max_length"}
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -182,14 +195,33 @@ def _text(content: Any) -> str:
 
 
 class PromptTokenizer:
-    """The model's tokenizer and chat template, loaded on first use, to compute a request's
-    prompt tokens as the replica will (best effort: a template feature this does not
-    reproduce only costs cache hits, never correctness)."""
+    """The model's tokenizer and chat template, loaded in the background when the router
+    starts, to compute a request's prompt tokens as the replica will (best effort: a
+    template feature this does not reproduce only costs cache hits, never correctness).
 
-    def __init__(self, path: str | None) -> None:
+    Why so guarded: the router runs in the ingress (and in every process that holds a
+    handle), so whatever it renders, every client waits behind. It renders only the model's
+    own template, with only the ``chat_template_kwargs`` that template reads (never a
+    template or option the request brings: vLLM refuses those too, but only later, on the
+    replica), on one thread of its own, and waits at most ``budget_s`` for the tokens; past
+    that, or with more than :data:`MAX_WAITING_RENDERS` renders queued, or for text longer
+    than ``max_chars``, the request is routed without tokens (by session and load).
+    """
+
+    def __init__(
+        self, path: str | None, budget_s: float = TOKENIZE_BUDGET_S, max_chars: int = MAX_CHARS
+    ) -> None:
         self.path = path
+        self.budget_s = budget_s
+        self.max_chars = max_chars
         self._tokenizer: Any = None
+        self._template_kwargs: frozenset[str] = frozenset()
         self._failed = path is None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rbln-ray-routing")
+        self._waiting = 0
+        self._lock = threading.Lock()
+        if path is not None:
+            self._pool.submit(self._load)
 
     def _load(self) -> Any:
         if self._tokenizer is None and not self._failed:
@@ -201,11 +233,31 @@ class PromptTokenizer:
                     from rbln_ray.models import demo_model_dir
 
                     path = str(demo_model_dir())
-                self._tokenizer = AutoTokenizer.from_pretrained(path)
+                tokenizer = AutoTokenizer.from_pretrained(path)
+                self._template_kwargs = template_variables(tokenizer)
+                self._tokenizer = tokenizer
             except Exception as exc:  # noqa: BLE001 - route by prefix text instead
                 logger.warning("cache-aware routing without tokens for %s: %s", self.path, exc)
                 self._failed = True
         return self._tokenizer
+
+    async def tokens_within_budget(self, request: Any) -> list[int] | None:
+        """:meth:`tokens` on the router's own thread, or None past the budget."""
+        with self._lock:
+            if self._waiting >= MAX_WAITING_RENDERS:
+                return None
+            self._waiting += 1
+        future = self._pool.submit(self.tokens, request)
+        future.add_done_callback(self._finished)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.budget_s)
+        except TimeoutError:
+            logger.info("routing without tokens: tokenizing took over %g s", self.budget_s)
+            return None
+
+    def _finished(self, _: Any) -> None:
+        with self._lock:
+            self._waiting -= 1
 
     def tokens(self, request: Any) -> list[int] | None:
         body = _body(request)
@@ -220,26 +272,63 @@ class PromptTokenizer:
         try:
             if isinstance(prompt, str):
                 special = _field(body, "add_special_tokens")
-                return tokenizer.encode(prompt, add_special_tokens=special is not False)
+                text = prompt[: self.max_chars]
+                return tokenizer.encode(text, add_special_tokens=special is not False)
             messages = _field(body, "messages")
-            if not messages:
+            if not isinstance(messages, list) or not messages:
                 return None
             rendered = [
                 {"role": _field(m, "role"), "content": _text(_field(m, "content"))}
                 for m in messages
             ]
+            if sum(len(m["content"]) for m in rendered) > self.max_chars:
+                return None
             generation = _field(body, "add_generation_prompt")
+            given = _field(body, "chat_template_kwargs")
+            kwargs = {
+                k: v
+                for k, v in (given if isinstance(given, dict) else {}).items()
+                if k in self._template_kwargs
+            }
             text = tokenizer.apply_chat_template(
                 rendered,
                 tokenize=False,
                 add_generation_prompt=generation is not False,
-                **(_field(body, "chat_template_kwargs") or {}),
+                **kwargs,
             )
             special = _field(body, "add_special_tokens")
-            return tokenizer.encode(text, add_special_tokens=bool(special))
+            return tokenizer.encode(text[: self.max_chars], add_special_tokens=bool(special))
         except Exception as exc:  # noqa: BLE001 - route without tokens
             logger.debug("could not tokenize a request for routing: %s", exc)
             return None
+
+
+def template_variables(tokenizer: Any) -> frozenset[str]:
+    """The variables the model's own chat template reads, less what a request may never set
+    (the ``chat_template_kwargs`` a router passes on: vLLM's replica filters them the same
+    way, ``resolve_chat_template_kwargs``)."""
+    import jinja2
+    import jinja2.meta
+
+    templates = getattr(tokenizer, "chat_template", None)
+    if isinstance(templates, dict):
+        templates = list(templates.values())
+    names: set[str] = set()
+    for template in [templates] if isinstance(templates, str) else templates or ():
+        try:
+            names |= jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
+        except jinja2.TemplateError:
+            continue
+    return frozenset(names - REFUSED_TEMPLATE_KWARGS)
+
+
+def request_scope(body: Any, served_name: str | None) -> tuple[str | None, str | None]:
+    """(LoRA adapter name, ``cache_salt``) of a request: what vLLM keeps its cached blocks
+    apart by. A ``model`` other than the deployment's own name is one of its adapters."""
+    model = _field(body, "model")
+    lora = model if isinstance(model, str) and served_name and model != served_name else None
+    salt = _field(body, "cache_salt")
+    return lora, salt if isinstance(salt, str) and salt else None
 
 
 def prefix_text(request: Any) -> str:
@@ -285,18 +374,34 @@ class _Recent:
 
 @dataclass
 class _Request:
-    session: str | None
+    session: str | None  # scoped: tenant, cache_salt and adapter before the client's id
     key: str  # rendezvous key: the session, else the prompt prefix
     tokens: list[int] | None
     keys: dict[int, list[int]]  # block size -> chain keys
+    lora: str | None = None
+    salt: str | None = None
     block_size: int = DEFAULT_BLOCK_SIZE  # the one it was last routed with
 
     def chain(self, block_size: int) -> list[int]:
         if self.tokens is None:
             return []
         if block_size not in self.keys:
-            self.keys[block_size] = chain_hashes(self.tokens, block_size)
+            self.keys[block_size] = chain_hashes(
+                self.tokens, block_size, lora_name=self.lora, cache_salt=self.salt
+            )
         return self.keys[block_size]
+
+
+def scoped_session(
+    request: Any, session: str | None, lora: str | None, salt: str | None
+) -> str | None:
+    """A session id as the router keys it: within the caller's tenant (the digest of its API
+    key, :attr:`~rbln_ray.serve.http_call.HTTPCall.tenant`), ``cache_salt`` and adapter, so
+    one tenant's session id never steers, or reveals, another's."""
+    if not session:
+        return None
+    tenant = getattr(request, "tenant", "") or ""
+    return "\0".join((tenant, salt or "", lora or "", session))
 
 
 class CacheAwareRouter(RequestRouter):
@@ -311,8 +416,10 @@ class CacheAwareRouter(RequestRouter):
         tokenizer: str | None = None,
         batch_size: int = 4,
         recent_ttl_s: float = RECENT_TTL_S,
+        served_name: str | None = None,
     ) -> None:
         self._tokenizer = PromptTokenizer(tokenizer)
+        self._served_name = served_name
         self._batch_size = max(1, batch_size)
         self._recent_ttl_s = recent_ttl_s
         self._pending: OrderedDict[str, _Request] = OrderedDict()
@@ -330,9 +437,10 @@ class CacheAwareRouter(RequestRouter):
         found = self._pending.get(rid)
         if found is None:
             arg = pending.args[0]
-            session = session_of(arg, pending.kwargs)
-            tokens = await asyncio.to_thread(self._tokenizer.tokens, arg)
-            found = _Request(session, session or prefix_text(arg), tokens, {})
+            lora, salt = request_scope(_body(arg), self._served_name)
+            session = scoped_session(arg, session_of(arg, pending.kwargs), lora, salt)
+            tokens = await self._tokenizer.tokens_within_budget(arg)
+            found = _Request(session, session or prefix_text(arg), tokens, {}, lora, salt)
             self._pending[rid] = found
             while len(self._pending) > MAX_PENDING:
                 self._pending.popitem(last=False)
@@ -474,6 +582,7 @@ def router_config(cfg: Any, batch_size: int) -> Any:
         request_router_kwargs={
             "tokenizer": cfg.engine_kwargs.get("tokenizer") or cfg.model,
             "batch_size": max(1, batch_size),
+            "served_name": cfg.name,
         },
         request_routing_stats_period_s=STATS_PERIOD_S,
     )

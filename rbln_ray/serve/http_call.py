@@ -47,6 +47,16 @@ class HTTPCall:
     # The replica (its Serve unique id) that must serve this call: the one holding a stored
     # Responses API response (retrieve, cancel, previous_response_id).
     replica: str | None = None
+    # Who is asking, for routing state kept per tenant (sessions): a digest of the API key the
+    # client presented ("" without one). Never the key itself.
+    tenant: str = ""
+
+
+def tenant_of(credential: str) -> str:
+    """The :attr:`HTTPCall.tenant` of a presented API key ("" for none)."""
+    if not credential:
+        return ""
+    return hashlib.blake2b(credential.encode(), digest_size=8, person=b"rbln-tenant").hexdigest()
 
 
 @dataclass(frozen=True)

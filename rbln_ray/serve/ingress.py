@@ -43,6 +43,7 @@ from rbln_ray.serve.http_call import (
     parse_response_id,
     response_headers,
     routing_prefix,
+    tenant_of,
 )
 from rbln_ray.serve.media_policy import check_media, check_processor_kwargs, request_media_parts
 from rbln_ray.serve.routes import (
@@ -121,6 +122,15 @@ def not_json(exc: BaseException) -> JSONResponse:
     if isinstance(exc, RecursionError):
         return error_response(400, "request body is not valid JSON: nested too deeply")
     return error_response(400, f"request body is not valid JSON: {exc}")
+
+
+def presented_key(headers: dict[bytes, bytes]) -> str:
+    """The API key a request presents: ``Authorization: Bearer``, else Anthropic's
+    ``x-api-key``."""
+    given = headers.get(b"authorization", b"").decode("latin-1")
+    if given.lower().startswith("bearer "):
+        return given[7:]
+    return headers.get(b"x-api-key", b"").decode("latin-1")
 
 
 # ------------------------------------------------------------------ limits
@@ -352,12 +362,7 @@ class OpenAIIngress:
     def authorized(self, headers: dict[bytes, bytes]) -> bool:
         if not self.api_key:
             return True
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        if given.lower().startswith("bearer "):
-            token = given[7:]
-        else:
-            token = headers.get(b"x-api-key", b"").decode("latin-1")
-        return hmac.compare_digest(token.encode(), self.api_key.encode())
+        return hmac.compare_digest(presented_key(headers).encode(), self.api_key.encode())
 
     async def _status(self) -> Any:
         """Serve's status, fetched in a thread, shared by the probes of one cache period."""
@@ -450,6 +455,7 @@ class OpenAIIngress:
         return body
 
     def _call(self, raw: Request, body: bytes, prefix: str = "", replica: str | None = None):
+        credential = presented_key(dict(raw.scope["headers"])) if self.api_key else ""
         return HTTPCall(
             method=raw.method,
             path=raw.scope["path"],
@@ -459,6 +465,7 @@ class OpenAIIngress:
             client=tuple(raw.scope["client"]) if raw.scope.get("client") else None,
             prefix=prefix,
             replica=replica,
+            tenant=tenant_of(credential),
         )
 
     # ---------------------------------------------------------------- route handlers

@@ -87,6 +87,7 @@ class KVEventListener:
                         event.parent_block_hash,
                         event.token_ids,
                         event.block_size,
+                        event.extra_keys,
                     )
                 elif isinstance(event, BlockRemoved):
                     self.index.removed(event.block_hashes)

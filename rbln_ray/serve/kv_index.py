@@ -3,11 +3,20 @@
 Why a key of our own. vLLM names a cached block by a hash chained over the tokens of every
 block before it, salted per process (``PYTHONHASHSEED``) and by extra keys (LoRA, images,
 ``cache_salt``): one replica's names mean nothing to the router or to another replica. Its KV
-cache events (``BlockStored``) carry each stored block's tokens and its parent's vLLM hash,
-so a replica can rename every block it holds by :func:`chain_hashes` over the same tokens,
-which the router computes from a request's prompt tokens alone: block ``i``'s key stands for
-the whole prefix ``tokens[: (i + 1) * block_size]``, so "the first ``k`` keys are held"
-means "``k`` blocks of this prompt need no prefill there".
+cache events (``BlockStored``) carry each stored block's tokens, its extra keys and its
+parent's vLLM hash, so a replica can rename every block it holds by :func:`chain_hashes` over
+the same tokens and extra keys, which the router computes from a request alone: block ``i``'s
+key stands for the whole prefix ``tokens[: (i + 1) * block_size]`` under the request's LoRA
+adapter and ``cache_salt``, so "the first ``k`` keys are held" means "``k`` blocks of this
+prompt need no prefill there".
+
+Why the extra keys: vLLM never shares a block between two ``cache_salt`` values or two LoRA
+adapters (they are in its block hashes), and neither may the router's keys, or a request
+would be routed to a replica because *another tenant* cached its prompt there, and a client
+could learn from where it was sent what others ask (RELIABILITY.md, "Tenant isolation").
+:func:`block_extra_keys` builds a request's keys as vLLM's ``generate_block_hash_extra_keys``
+does for text (the adapter's name on every block, the salt on the first); a block with image
+keys the router cannot compute is simply never matched.
 
 Pure bookkeeping (no vLLM, no ZeroMQ): :mod:`rbln_ray.serve.kv_events` feeds it the engine's
 events; :mod:`rbln_ray.serve.cache_routing` computes the same keys for requests.
@@ -18,17 +27,36 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
 
 ROOT = b"rbln-ray-kv-root"  # the parent of every prompt's first block
+ExtraKeys = tuple[Any, ...] | None  # one block's extra keys, as vLLM's events carry them
 
 
-def _key(parent: bytes, tokens: Sequence[int]) -> bytes:
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=8).digest()
+def _key(parent: bytes, tokens: Sequence[int], extra: ExtraKeys = None) -> bytes:
+    data = parent + array("q", tokens).tobytes()
+    if extra:
+        data += b"\0" + repr(tuple(extra)).encode()
+    return hashlib.blake2b(data, digest_size=8).digest()
 
 
-def chain_hashes(tokens: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
+def block_extra_keys(index: int, lora_name: str | None, cache_salt: str | None) -> ExtraKeys:
+    """Block ``index``'s extra keys for a text prompt, as vLLM computes them (LoRA name on
+    every block, then the ``cache_salt`` on the first)."""
+    keys = ([lora_name] if lora_name else []) + ([cache_salt] if index == 0 and cache_salt else [])
+    return tuple(keys) if keys else None
+
+
+def chain_hashes(
+    tokens: Sequence[int],
+    block_size: int,
+    limit: int | None = None,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+) -> list[int]:
     """Keys of the full blocks of ``tokens`` (a partial last block has none), at most
-    ``limit``; key ``i`` depends on every token up to the end of block ``i``."""
+    ``limit``; key ``i`` depends on every token up to the end of block ``i`` and on the
+    request's LoRA adapter and ``cache_salt``."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, not {block_size}")
     count = len(tokens) // block_size
@@ -36,7 +64,8 @@ def chain_hashes(tokens: Sequence[int], block_size: int, limit: int | None = Non
         count = min(count, limit)
     keys, parent = [], ROOT
     for i in range(count):
-        parent = _key(parent, tokens[i * block_size : (i + 1) * block_size])
+        block = tokens[i * block_size : (i + 1) * block_size]
+        parent = _key(parent, block, block_extra_keys(i, lora_name, cache_salt))
         keys.append(int.from_bytes(parent, "big", signed=True))
     return keys
 
@@ -72,6 +101,7 @@ class CachedBlocks:
         parent: Hashable | None,
         token_ids: Sequence[int],
         block_size: int,
+        extra_keys: Sequence[ExtraKeys] | None = None,
     ) -> None:
         self.events += 1
         if len(token_ids) != len(block_hashes) * block_size:
@@ -84,7 +114,8 @@ class CachedBlocks:
             return
         self.block_size = block_size
         for i, block_hash in enumerate(block_hashes):
-            key = _key(key, token_ids[i * block_size : (i + 1) * block_size])
+            extra = extra_keys[i] if extra_keys and i < len(extra_keys) else None
+            key = _key(key, token_ids[i * block_size : (i + 1) * block_size], extra)
             self._keys[block_hash] = key
 
     def removed(self, block_hashes: Iterable[Hashable]) -> None:

@@ -25,7 +25,9 @@ from rbln_ray.serve.cache_routing import (
     ServiceRates,
     estimate_ttft,
     order_candidates,
+    request_scope,
     router_config,
+    scoped_session,
     session_of,
 )
 from rbln_ray.serve.kv_events import STATS_BLOCK_SIZE, STATS_BLOCKS, STATS_EVENTS
@@ -410,7 +412,7 @@ def test_router_config_names_this_router_and_reports_every_second(tmp_path) -> N
     cfg = ModelDeploymentConfig(name="m", model=str(tmp_path), engine_kwargs={"tokenizer": "t"})
     config = router_config(cfg, batch_size=4)
     assert config.request_router_class.endswith("cache_routing.CacheAwareRouter")
-    assert config.request_router_kwargs == {"tokenizer": "t", "batch_size": 4}
+    assert config.request_router_kwargs == {"tokenizer": "t", "batch_size": 4, "served_name": "m"}
     assert config.request_routing_stats_period_s == 1.0
     assert router_config(cfg.model_copy(update={"engine_kwargs": {}}), 8).request_router_kwargs[
         "tokenizer"
@@ -442,5 +444,156 @@ def test_router_reads_http_calls_and_honours_a_required_replica() -> None:
         meta = RequestMetadata(request_id=rid, internal_request_id=rid)
         groups = await router.choose_replicas([a, b], PendingRequest([pinned_call], {}, meta))
         assert [[r.replica_id.unique_id for r in g] for g in groups] == [["b"]]
+
+    asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ hardening: client input
+def test_routing_never_renders_a_template_or_option_the_request_brings(tmp_path) -> None:
+    """The router renders only the model's own chat template, passing on only the
+    ``chat_template_kwargs`` that template reads: a request's own template (a "template
+    bomb" would stall the ingress rendering it) or ``tokenize`` is dropped, as vLLM's
+    replica drops or refuses them."""
+    from transformers import AutoTokenizer
+
+    from rbln_ray.models.tokenizer import build_tokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(build_tokenizer()))
+    # the model's template, reading one variable of its own (as Qwen3's `enable_thinking`)
+    hf.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if terse %}(terse){% endif %}{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    hf.save_pretrained(tmp_path)
+    tok = PromptTokenizer(str(tmp_path))
+    messages = [{"role": "user", "content": "def f():"}]
+
+    def expected(**kwargs: Any) -> list[int]:
+        text = hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+        return hf.encode(text, add_special_tokens=False)
+
+    bomb = "{% for a in range(3) %}EVIL{% endfor %}"
+    body = {
+        "messages": messages,
+        "chat_template_kwargs": {"chat_template": bomb, "tokenize": True, "terse": True},
+    }
+    assert tok.tokens(body) == expected(terse=True)
+    assert tok.tokens({"messages": messages, "chat_template_kwargs": {"x": 1}}) == expected()
+    assert tok.tokens({"messages": messages, "chat_template_kwargs": "not a dict"}) == expected()
+
+
+def test_routing_without_tokens_past_the_budget_and_the_queue_bound() -> None:
+    """A render that does not finish within the budget (or a queue of them) never holds a
+    request: it is routed without tokens, and the router's one thread carries the rest."""
+    import threading
+
+    release = threading.Event()
+
+    class Stuck:
+        def apply_chat_template(self, *args: Any, **kwargs: Any) -> str:
+            release.wait()
+            return "x"
+
+        def encode(self, text: str, **kwargs: Any) -> list[int]:
+            return [1, 2, 3]
+
+    tok = PromptTokenizer(None, budget_s=0.05)
+    tok._failed, tok._tokenizer = False, Stuck()  # a loaded tokenizer whose render hangs
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+
+    async def scenario() -> None:
+        assert await tok.tokens_within_budget(chat) is None  # past the budget
+        # token-id prompts need no render, yet wait behind the stuck one: also without tokens
+        assert await tok.tokens_within_budget({"prompt": [4, 5]}) is None
+        waiting, tok._waiting = tok._waiting, 10**6  # as if the queue were full
+        assert await tok.tokens_within_budget({"prompt": [4, 5]}) is None  # not submitted
+        tok._waiting = waiting
+        release.set()
+        assert await asyncio.wrap_future(tok._pool.submit(lambda: None)) is None  # drained
+        assert tok._waiting == 0
+        assert await tok.tokens_within_budget({"prompt": [4, 5]}) == [4, 5]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+
+
+def test_block_keys_carry_lora_and_cache_salt_as_vllm_hashes_them() -> None:
+    """vLLM keeps blocks of two ``cache_salt`` values or two adapters apart; so do the keys.
+    The extra keys a replica's index folds in are the ones vLLM's own
+    ``generate_block_hash_extra_keys`` gives its events, and the router computes the same
+    from the request alone."""
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+    from vllm.v1.request import Request
+
+    prompt = list(range(50, 50 + 3 * BS))
+    for lora, salt in ((None, None), (None, "tenant-a"), ("sql", None), ("sql", "tenant-a")):
+        request = Request(
+            "r", prompt, SamplingParams(max_tokens=1), None,
+            lora_request=LoRARequest(lora, 1, "/x") if lora else None, cache_salt=salt,
+        )  # fmt: skip
+        extra = [generate_block_hash_extra_keys(request, i * BS, (i + 1) * BS, 0)[0]
+                 for i in range(3)]  # fmt: skip
+        index = CachedBlocks()
+        index.stored([1, 2, 3], None, prompt, BS, extra)
+        keys = chain_hashes(prompt, BS, lora_name=lora, cache_salt=salt)
+        assert index.keys() == sorted(keys), (lora, salt)
+    plain = chain_hashes(prompt, BS)
+    assert chain_hashes(prompt, BS, cache_salt="a")[0] != plain[0]
+    assert chain_hashes(prompt, BS, cache_salt="a") != chain_hashes(prompt, BS, cache_salt="b")
+    assert chain_hashes(prompt, BS, lora_name="sql")[0] != plain[0]
+    assert request_scope({"model": "sql", "cache_salt": "a"}, "m") == ("sql", "a")
+    assert request_scope({"model": "m", "cache_salt": ""}, "m") == (None, None)
+
+
+def test_one_tenants_cache_and_sessions_never_steer_anothers() -> None:
+    """A prefix cached under one ``cache_salt`` (or adapter) does not draw another salt's
+    request, and a session id is the same session only within one tenant (API key), salt
+    and adapter."""
+    import json
+
+    from rbln_ray.serve.http_call import HTTPCall, tenant_of
+
+    def call(body: dict[str, Any], tenant: str = "", session: str | None = None) -> PendingRequest:
+        headers = ((b"x-session-id", session.encode()),) if session else ()
+        rid = uuid.uuid4().hex
+        meta = RequestMetadata(request_id=rid, internal_request_id=rid)
+        raw = HTTPCall("POST", "/v1/completions", headers=headers,
+                       body=json.dumps(body).encode(), tenant=tenant)  # fmt: skip
+        return PendingRequest([raw], {}, meta)
+
+    async def scenario() -> None:
+        router = make_router()
+        router._served_name = "m"
+        doc = list(range(5000, 5000 + 4 * BS))
+        salted = {STATS_BLOCK_SIZE: BS, STATS_EVENTS: 1,
+                  STATS_BLOCKS: chain_hashes(doc, BS, cache_salt="A")}  # fmt: skip
+        a, b = replica("a", routing_stats=salted), replica("b")
+        # the hash's own choice for each request, with neither replica holding anything
+        blank = make_router()
+        blank._served_name = "m"
+        for salt, lora in (("B", None), (None, None), (None, "sql")):
+            body = {"model": lora or "m", "prompt": doc + [1], "cache_salt": salt}
+            fresh = await first(blank, [replica("a"), replica("b")], call(body))
+            assert await first(router, [a, b], call(body)) == fresh, (salt, lora)
+        body = {"model": "m", "prompt": doc + [1], "cache_salt": "A"}
+        assert await first(router, [a, b], call(body)) == "a"
+        # sessions: a session id of tenant 1 sticks; tenant 2's same id is its own session
+        t1, t2 = tenant_of("key-1"), tenant_of("key-2")
+        body = {"model": "m", "prompt": [1, 2, 3]}
+        name = next(f"s{i}" for i in range(100)
+                    if rank(scoped_session(None, f"s{i}", None, None), ["a", "b"])[0] == "a"
+                    and rank("\0".join((t2, "", "", f"s{i}")), ["a", "b"])[0] == "b")  # fmt: skip
+        req = call(body, t1, name)
+        router.on_request_routed(req, ReplicaID("a", DEPLOYMENT), None) if await first(
+            router, [replica("a"), replica("b")], req
+        ) else None
+        assert router._sessions.get("\0".join((t1, "", "", name))) == "a"
+        assert await first(router, [replica("a"), replica("b")], call(body, t2, name)) == "b"
 
     asyncio.run(scenario())
