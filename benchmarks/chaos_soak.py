@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     from rbln_ray.serve.proxy_guard import proxy_env
 
     common.emulator_env("timing", args.shape)
-    os.environ.update(proxy_env(RequestLimits().max_request_bytes))
+    os.environ.update(proxy_env(RequestLimits()))
     os.environ["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = str(int(args.step_deadline))
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     cluster = Cluster(

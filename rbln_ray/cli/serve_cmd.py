@@ -33,9 +33,7 @@ def prepare_models(config: AppConfig) -> AppConfig:
     return config.model_copy(update={"models": models})
 
 
-def start_ray(
-    address: str | None, emulated: bool, metrics_port: int, max_request_bytes: int
-) -> None:
+def start_ray(address: str | None, emulated: bool, metrics_port: int, config: AppConfig) -> None:
     """Join ``address`` (or ``RAY_ADDRESS``), else start a local instance with the devices,
     closed to the network (:mod:`rbln_ray.serve.local_ray`), exporting its metrics for
     Prometheus on ``127.0.0.1:metrics_port``."""
@@ -50,8 +48,8 @@ def start_ray(
         ray.init(address=address)
         return
     resources = {"RBLN": physical_count()} if emulated else None
-    # Serve's proxies (started by this instance) cap request bodies themselves
-    os.environ.update(proxy_env(max_request_bytes))
+    # Serve's proxies (started by this instance) guard request bodies themselves
+    os.environ.update(proxy_env(config.limits, config.resolved_api_key()))
     # Bundle CPUs are accounting, not cores: give the local instance room for the replicas.
     start_loopback_ray(
         num_cpus=max(8, os.cpu_count() or 1), resources=resources, metrics_port=metrics_port
@@ -105,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         args.address,
         emulated=runtime == "emulated",
         metrics_port=args.metrics_port,
-        max_request_bytes=config.limits.max_request_bytes,
+        config=config,
     )
     serve.start(http_options={"host": config.host, "port": config.port})
     logger.info("starting %d model(s): %s", len(config.models), [m.name for m in config.models])

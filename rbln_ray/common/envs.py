@@ -74,9 +74,18 @@ _VARS = (
            "timing mode: tensor-parallel efficiency over several devices"),
     EnvVar("RBLN_RAY_TIMING_SYNC_US", float, None,
            "timing mode: per-layer synchronisation cost across devices, us"),
-    EnvVar("RBLN_RAY_MAX_REQUEST_BYTES", _positive_int, None,
-           "request-body cap of Serve's HTTP proxies (rbln_ray.serve.proxy_guard; default: "
-           "the Serve config's limits.max_request_bytes default)"),
+    # Serve's HTTP proxies' guard (rbln_ray.serve.proxy_guard): the Serve config's `limits`,
+    # handed to the proxies; typed, bounded and defaulted there (RequestLimits).
+    EnvVar("RBLN_RAY_MAX_REQUEST_BYTES", str, None, "proxy guard: limits.max_request_bytes"),
+    EnvVar("RBLN_RAY_BODY_READ_TIMEOUT_S", str, None, "proxy guard: limits.body_read_timeout_s"),
+    EnvVar("RBLN_RAY_MAX_PENDING_BODIES", str, None, "proxy guard: limits.max_pending_bodies"),
+    EnvVar("RBLN_RAY_MAX_PENDING_BODIES_PER_CLIENT", str, None,
+           "proxy guard: limits.max_pending_bodies_per_client"),
+    EnvVar("RBLN_RAY_MAX_REQUESTS_PER_CLIENT", str, None,
+           "proxy guard: limits.max_requests_per_client"),
+    EnvVar("RBLN_RAY_API_KEY_SHA256", str, None,
+           "proxy guard: SHA-256 of the app's API key (requests without it get a 401 before "
+           "their body is read)"),
     EnvVar("RBLN_RAY_TEST_STEP_FAULT", int, None,
            "tests only: a token id; a prefill whose tokens hold it raises in the worker, as a "
            "device call that fails would (fault injection, like vLLM's test_forward_error)"),

@@ -50,8 +50,14 @@ class RequestLimits(_Strict):
     """
 
     max_request_bytes: int = Field(default=1 << 20, ge=1024)
-    # A client that sends its body slowly holds an ingress slot; past this it gets a 408.
+    # A client that sends its body slowly holds a proxy buffer; past this it gets a 408 (in
+    # Serve's proxy, before any handler or API-key check: rbln_ray.serve.proxy_guard).
     body_read_timeout_s: float = Field(default=30.0, gt=0)
+    # Bodies being read at once in one proxy, and from one client address; and one client's
+    # requests in one proxy at once (behind a load balancer, its address is every client's).
+    max_pending_bodies: int = Field(default=1024, ge=1)
+    max_pending_bodies_per_client: int = Field(default=64, ge=1)
+    max_requests_per_client: int = Field(default=1024, ge=1)
     max_n: int = Field(default=8, ge=1)
     max_tokens: int = Field(default=4096, ge=1)
     # One request may carry several prompts (a completion's list, an embedding's inputs, a

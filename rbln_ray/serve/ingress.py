@@ -46,6 +46,7 @@ from rbln_ray.serve.http_call import (
     tenant_of,
 )
 from rbln_ray.serve.media_policy import check_media, check_processor_kwargs, request_media_parts
+from rbln_ray.serve.proxy_guard import OPEN_PATHS, presented_key
 from rbln_ray.serve.routes import (
     ANTHROPIC_PREFIX,
     Kind,
@@ -60,9 +61,6 @@ HEALTH_CACHE_S = 1.0  # how long one Serve status answers /health probes
 # How long a probe waits for Serve's status: a controller that is restarting (Ray's memory
 # monitor may kill it; max_restarts brings it back) answers nothing until it is back.
 HEALTH_TIMEOUT_S = 5.0
-# Routes anyone may call when the app has an API key: probes, the version, the API docs.
-OPEN_PATHS = {"/health", "/ping", "/version", "/docs", "/docs/oauth2-redirect", "/openapi.json",
-              "/redoc"}  # fmt: skip
 BODY_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
 # Fields that may hold several prompts (completions, embeddings, scores, rerank, pooling).
 PROMPT_FIELDS = ("prompt", "input", "text_1", "text_2", "data_1", "data_2", "queries",
@@ -122,15 +120,6 @@ def not_json(exc: BaseException) -> JSONResponse:
     if isinstance(exc, RecursionError):
         return error_response(400, "request body is not valid JSON: nested too deeply")
     return error_response(400, f"request body is not valid JSON: {exc}")
-
-
-def presented_key(headers: dict[bytes, bytes]) -> str:
-    """The API key a request presents: ``Authorization: Bearer``, else Anthropic's
-    ``x-api-key``."""
-    given = headers.get(b"authorization", b"").decode("latin-1")
-    if given.lower().startswith("bearer "):
-        return given[7:]
-    return headers.get(b"x-api-key", b"").decode("latin-1")
 
 
 # ------------------------------------------------------------------ limits

@@ -236,7 +236,15 @@ def test_rayservice_manifest(tmp_path: Path):
     assert worker_res == {"RBLN": atoms}
     assert json.loads(json.loads(head["rayStartParams"]["resources"])) == {"RBLN": 0}
 
+    # Every node runs a Serve proxy (EveryNode), and every proxy installs the guard.
+    from rbln_ray.serve.proxy_guard import CALLBACK, CALLBACK_ENV
+
+    for group in (head, workers):
+        (c,) = group["template"]["spec"]["containers"]
+        assert {"name": CALLBACK_ENV, "value": CALLBACK} in c["env"], group.get("groupName")
+
     serve_doc = yaml.safe_load(doc["spec"]["serveConfigV2"])
+    assert serve_doc["proxy_location"] == "EveryNode"
     (app,) = serve_doc["applications"]
     assert app["import_path"] == "rbln_ray.serve:build_app"
     args = app["args"]

@@ -50,7 +50,7 @@ def start_app(config: dict, port: int, model_dir: Path, devices: int = 4) -> Run
 
     app_config = load_config(config)
     # as `rbln-ray serve` does: the proxy caps request bodies (read when the proxy starts)
-    os.environ.update(proxy_env(app_config.limits.max_request_bytes))
+    os.environ.update(proxy_env(app_config.limits, app_config.resolved_api_key()))
     os.environ["RBLN_RAY_DEVICE"] = "emulated"
     os.environ["RBLN_RAY_EMULATED_DEVICES"] = str(devices)  # the raylet's workers inherit it
     ray.init(
