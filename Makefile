@@ -14,8 +14,8 @@ PROMETHEUS := $(BIN)/prometheus
 HAPROXY := $(BIN)/haproxy
 HAPROXY_DEBS := haproxy liblua5.3-0 libopentracing-c-wrapper0 libopentracing1
 
-.PHONY: setup install demo-model peer-env test test-fast test-smoke lint demo clean ssh-test-tools \
-	speech-test-tools
+.PHONY: setup install demo-model peer-env test test-fast test-smoke lint docs demo clean \
+	ssh-test-tools speech-test-tools
 
 setup: install demo-model $(PEER_STAMP) ssh-test-tools speech-test-tools $(PROMETHEUS) $(HAPROXY)
 
@@ -139,13 +139,24 @@ test-fast: $(STAMP)
 test-smoke: $(STAMP) lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "fast or smoke"
 
+# ruff, the layer order, and the docs site built strictly (a broken link, anchor, snippet or
+# API reference fails), into a temp dir. Not --quiet: it hides warnings from --strict too, so
+# the build's log is kept and shown only when it fails.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python scripts/check_layers.py
+	@tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	if NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir "$$tmp/site" \
+	     > "$$tmp/log" 2>&1; then echo "mkdocs build --strict: ok"; \
+	else grep -v '^INFO' "$$tmp/log"; exit 1; fi
+
+# The docs site on http://127.0.0.1:8001 (the demo has 8000), rebuilt as pages change.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
 
 # The main job: the embedded default (demo model, 2 replicas, emulated ATOM, local Ray).
 demo: setup
 	$(BIN)/rbln-ray serve
 
 clean:
-	rm -rf $(VENV) $(PEER) build *.egg-info
+	rm -rf $(VENV) $(PEER) build site *.egg-info
