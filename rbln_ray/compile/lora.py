@@ -326,7 +326,7 @@ def for_compile(
     if not getattr(family, "lora", False):
         raise LoRAError(
             f"{hf_dir}: LoRA adapters for {family.architecture} are not served yet (verified "
-            "families: see the README's decoder matrix, column 'LoRA')"
+            "families: docs/guides/lora-quantization.md)"
         )
     if quantized:
         raise LoRAError(

@@ -308,7 +308,7 @@ def for_compile(
     if not getattr(family, "quantization", False):
         raise QuantizationError(
             f"{hf_dir}: quantized {family.architecture} checkpoints are not served yet (verified "
-            "families: see the README's decoder matrix, column 'quantized')"
+            "families: docs/guides/lora-quantization.md)"
         )
     if spec.kv_caches == "fp8" and family.sliding_window_used(hf_config):
         raise QuantizationError(
