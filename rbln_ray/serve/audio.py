@@ -6,21 +6,35 @@ vLLM's ``TranscriptionRequest`` / ``TranslationRequest``) and relays the body as
 the replica named by the form's ``model``, whose vLLM app runs ``OpenAIServingTranscription``
 / ``OpenAIServingTranslation`` (decoding, resampling to 16 kHz, 30-second windows, SSE).
 
-What this module adds in front (:func:`check_upload`): the audio's header is read
+What this module adds in front (:func:`prepare_upload`): the audio's header is read
 (:func:`probe_audio`), and a file that is no audio, an audio stream no decoder here reads
 (an unsupported codec), or audio longer than ``limits.max_audio_seconds`` is a 400 naming
 the problem. Reading a header decodes nothing. The replica enforces the duration cap again
 (:func:`replica_env`: vLLM's own decode limit), so a header that lies about its length buys
 nothing.
+
+FFmpeg (which reads what libsndfile cannot: MP4/M4A, WebM, AAC) parses untrusted uploads
+here only with the audio demuxers (:data:`AUDIO_DEMUXERS`; none that opens other files or
+URLs, such as HLS playlists or concat lists) and the ``file``/``pipe`` protocols. vLLM in the
+replica would open an upload with every demuxer, so an upload libsndfile cannot read is
+decoded here, under those restrictions, and relayed as 16-bit WAV (:func:`prepare_upload`):
+the replica then reads it with libsndfile and never starts FFmpeg.
 """
 
 from __future__ import annotations
 
 import io
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from rbln_ray.serve.config import RequestLimits
+
+# FFmpeg demuxers an upload may be read with (WAV, FLAC, Ogg, MP3, raw AAC, MP4/M4A/MOV,
+# Matroska/WebM), and the only protocols: a listed name matches a demuxer whose name
+# contains it (FFmpeg's av_match_list).
+AUDIO_DEMUXERS = "wav,w64,flac,ogg,mp3,aac,mov,mp4,m4a,matroska,webm"
+FFMPEG_OPTIONS = {"format_whitelist": AUDIO_DEMUXERS, "protocol_whitelist": "file,pipe"}
 
 
 @dataclass(frozen=True)
@@ -45,7 +59,7 @@ def probe_audio(data: bytes) -> AudioInfo | str:
     import av
 
     try:
-        with av.open(io.BytesIO(data)) as container:
+        with av.open(io.BytesIO(data), options=FFMPEG_OPTIONS) as container:
             audio = [s for s in container.streams if s.type == "audio"]
             if not audio:
                 kinds = ", ".join(f"{s.type} ({s.codec_context.name})" for s in container.streams)
@@ -88,11 +102,79 @@ def replica_env(limits: RequestLimits) -> dict[str, str]:
     return {"VLLM_MAX_AUDIO_DECODE_DURATION_S": str(limits.max_audio_seconds)}
 
 
-async def check_upload(form: Any, limits: RequestLimits) -> tuple[int, str] | None:
-    """(HTTP status, message) of the first problem with a parsed multipart form's ``file``
-    part (:func:`check_audio`, off the event loop), or None."""
-    import asyncio
+def readable_by_libsndfile(data: bytes) -> bool:
+    import soundfile
 
+    try:
+        soundfile.info(io.BytesIO(data))
+    except (soundfile.LibsndfileError, RuntimeError, ValueError):
+        return False
+    return True
+
+
+def decode_to_wav(data: bytes, limits: RequestLimits) -> bytes | tuple[int, str]:
+    """The upload's first audio stream, decoded with the restricted FFmpeg and mixed to mono,
+    as 16-bit WAV at its own rate; or (400, why) if it does not decode within the duration
+    cap."""
+    import av
+    import numpy as np
+    import soundfile
+
+    chunks, rate, total = [], 0, 0
+    try:
+        with av.open(io.BytesIO(data), options=FFMPEG_OPTIONS) as container:
+            stream = container.streams.audio[0]
+            rate = stream.rate
+            cap = (limits.max_audio_seconds + 1) * rate
+            for frame in container.decode(stream):
+                samples = as_float(frame.to_ndarray())
+                if frame.format.is_planar:
+                    samples = samples.mean(axis=0)
+                else:  # interleaved: [1, samples x channels]
+                    samples = samples.reshape(-1, len(frame.layout.channels)).mean(axis=1)
+                chunks.append(samples)
+                total += len(samples)
+                if total > cap:
+                    return 400, (
+                        f"file: the audio decodes to more than limits.max_audio_seconds = "
+                        f"{limits.max_audio_seconds} s"
+                    )
+    except (av.FFmpegError, IndexError, ValueError) as exc:
+        return 400, f"file: the audio does not decode ({exc})"
+    if not chunks:
+        return 400, "file: the audio stream holds no samples"
+    out = io.BytesIO()
+    pcm = np.clip(np.concatenate(chunks), -1.0, 1.0)
+    soundfile.write(out, pcm, rate, format="WAV", subtype="PCM_16")
+    return out.getvalue()
+
+
+def as_float(samples: Any) -> Any:
+    """Decoded samples as float32 in [-1, 1] (integer formats come back unscaled)."""
+    import numpy as np
+
+    if np.issubdtype(samples.dtype, np.unsignedinteger):
+        middle = (np.iinfo(samples.dtype).max + 1) / 2
+        return (samples.astype(np.float32) - middle) / middle
+    if np.issubdtype(samples.dtype, np.integer):
+        return samples.astype(np.float32) / (np.iinfo(samples.dtype).max + 1)
+    return samples.astype(np.float32)
+
+
+def prepare_upload(data: bytes, limits: RequestLimits) -> bytes | tuple[int, str] | None:
+    """What to relay for an uploaded audio file: None (the upload as it came: libsndfile
+    reads it), WAV bytes (it needs FFmpeg: decoded here, module docstring), or (HTTP
+    status, message) of its first problem."""
+    problem = check_audio(data, limits)
+    if problem is not None:
+        return problem
+    if readable_by_libsndfile(data):
+        return None
+    return decode_to_wav(data, limits)
+
+
+async def upload_bytes(form: Any) -> bytes | tuple[int, str]:
+    """A parsed multipart form's ``file`` part, or (400, why) without one."""
     from starlette.datastructures import UploadFile
 
     upload = form.get("file")
@@ -100,4 +182,22 @@ async def check_upload(form: Any, limits: RequestLimits) -> tuple[int, str] | No
         return 400, "file: field required (the audio file, as a multipart file part)"
     data = await upload.read()
     await upload.seek(0)
-    return await asyncio.to_thread(check_audio, data, limits)
+    return data
+
+
+def with_file(form: Any, data: bytes, filename: str) -> tuple[bytes, str]:
+    """The multipart body of ``form`` with its ``file`` part replaced by ``data`` (WAV), and
+    its content type (a new boundary)."""
+    boundary = uuid.uuid4().hex
+    parts = []
+    for name, value in form.multi_items():
+        if name == "file":
+            head = (f'Content-Disposition: form-data; name="file"; filename="{filename}"\r\n'
+                    "Content-Type: audio/wav\r\n\r\n")  # fmt: skip
+            payload = data
+        else:
+            head = f'Content-Disposition: form-data; name="{name}"\r\n\r\n'
+            payload = str(value).encode()
+        parts.append(f"--{boundary}\r\n{head}".encode() + payload + b"\r\n")
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    return body, f"multipart/form-data; boundary={boundary}"

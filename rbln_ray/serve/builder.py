@@ -212,4 +212,5 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
         image_models,
         config.cors_allowed_origins,
         bases,
+        config.ingress.unhealthy_after_stall_s,
     )

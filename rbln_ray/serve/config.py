@@ -110,6 +110,10 @@ class IngressConfig(_Strict):
     # instead of queueing without bound in front of the app.
     max_queued_requests: int = Field(default=4096, ge=1)
     graceful_shutdown_timeout_s: float = Field(default=600, gt=0)
+    # An ingress replica whose event loop or work threads run nothing for this long is
+    # unhealthy (/health 503, Serve's health check fails) and Serve replaces it
+    # (rbln_ray.serve.ingress_work).
+    unhealthy_after_stall_s: float = Field(default=20.0, gt=0)
 
 
 # ModelDeploymentConfig fields that are `vllm serve` options of the same name.

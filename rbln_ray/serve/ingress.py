@@ -20,6 +20,7 @@ FastAPI reads a body before its endpoint runs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import inspect
 import json
@@ -45,6 +46,7 @@ from rbln_ray.serve.http_call import (
     routing_prefix,
     tenant_of,
 )
+from rbln_ray.serve.ingress_work import IngressWork, Watchdog
 from rbln_ray.serve.media_policy import check_media, check_processor_kwargs, request_media_parts
 from rbln_ray.serve.proxy_guard import OPEN_PATHS, presented_key
 from rbln_ray.serve.routes import (
@@ -67,7 +69,13 @@ PROMPT_FIELDS = ("prompt", "input", "text_1", "text_2", "data_1", "data_2", "que
                  "documents", "items", "texts")  # fmt: skip
 # Routes whose `input` / `messages` is one conversation, not a list of prompts.
 CONVERSATION_ROUTES = ("/v1/responses", ANTHROPIC_PREFIX)
+CHAT_ROUTES = ("/v1/chat/completions",)
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+FAN_OUT_FIELDS = ("n", "best_of")  # sequences one prompt becomes (best_of: beam width too)
+# Every body field a limit reads: a route of vLLM's whose request model has one of these is
+# checked for it (tests/unit/test_http_routes.py goes over the route table).
+LIMITED_FIELDS = (*FAN_OUT_FIELDS, *TOKEN_FIELDS, *PROMPT_FIELDS, "messages",
+                  "mm_processor_kwargs", "media_io_kwargs")  # fmt: skip
 BODY_KEY = "rbln_ray.body"  # the request body in its ASGI scope (read once, by Admission)
 WARM_UP_MODEL = "rbln-ray-warm-up"  # a name no model has (the ingress's own warm-up)
 
@@ -138,7 +146,16 @@ def max_tokens_message(model: str, max_tokens: int, limit: int) -> str:
 
 
 def _int(value: Any, default: int) -> int:
+    """An integer field's value: a JSON integer, or a form field's digits."""
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
     return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def client_of(raw: Request) -> str:
+    """The client's address (the key of per-client bounds)."""
+    client = raw.scope.get("client")
+    return str(client[0]) if client else "unknown"
 
 
 def count_prompts(body: dict[str, Any], path: str = "") -> int:
@@ -150,8 +167,9 @@ def count_prompts(body: dict[str, Any], path: str = "") -> int:
     most = 1
     messages = body.get("messages")
     if isinstance(messages, list) and messages and isinstance(messages[0], list):
-        most = len(messages)  # /v1/chat/completions/batch
-    for name in PROMPT_FIELDS:
+        most = len(messages)  # a batch of conversations (/v1/chat/completions/batch)
+    # a chat route's `documents` are its template's context, not prompts
+    for name in () if path.startswith(CHAT_ROUTES) else PROMPT_FIELDS:
         value = body.get(name)
         if isinstance(value, list) and value and not isinstance(value[0], int):
             most = max(most, len(value))
@@ -297,6 +315,7 @@ class OpenAIIngress:
         image_models: list[str] | None = None,
         cors_allowed_origins: list[str] | None = None,
         lora_bases: dict[str, str] | None = None,
+        stall_s: float | None = None,
     ) -> None:
         from ray import serve
 
@@ -313,6 +332,7 @@ class OpenAIIngress:
             serve.get_replica_context().app_name,
             cors_allowed_origins,
             lora_bases,
+            stall_s,
         )
 
     def configure(
@@ -325,8 +345,13 @@ class OpenAIIngress:
         app_name: str,
         cors_allowed_origins: list[str] | None = None,
         lora_bases: dict[str, str] | None = None,
+        stall_s: float | None = None,
     ) -> None:
-        """Set the ingress up (its constructor's work without a Serve replica: tests)."""
+        """Set the ingress up (its constructor's work without a Serve replica: tests);
+        ``stall_s``: the config's ``ingress.unhealthy_after_stall_s`` (its default when
+        None)."""
+        from rbln_ray.serve.config import IngressConfig
+
         self.cors_allowed_origins = list(cors_allowed_origins or ())
         self.limits = limits
         self.servers = servers
@@ -340,12 +365,30 @@ class OpenAIIngress:
             raise ValueError(f"two model names share a response-id tag: {sorted(servers)}")
         self._status_task: asyncio.Future | None = None
         self._status_at = 0.0
+        self.work = IngressWork()
+        self.stall_s = stall_s or IngressConfig().unhealthy_after_stall_s
+        self.watchdog: Watchdog | None = None
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
         """Serve's late-bound ingress app (built in the replica, after ``__init__``)."""
         app = build_ingress_app(self)
         await warm_up(app, self.api_key)
+        self.watch()
         return app
+
+    def watch(self) -> Watchdog:
+        """Start watching this ingress's event loop (the running one) and work threads."""
+        if self.watchdog is None:
+            loop = asyncio.get_running_loop()
+            self.watchdog = Watchdog(loop, self.work.pool, self.stall_s).start()
+        return self.watchdog
+
+    async def check_health(self) -> None:
+        """Serve's replica health check: an ingress whose loop or work threads stalled is
+        unhealthy, and Serve replaces it (:mod:`rbln_ray.serve.ingress_work`)."""
+        problem = self.watchdog.problem() if self.watchdog else None
+        if problem:
+            raise RuntimeError(problem)
 
     # ---------------------------------------------------------------- helpers
     def authorized(self, headers: dict[bytes, bytes]) -> bool:
@@ -383,13 +426,21 @@ class OpenAIIngress:
             )
         return model
 
-    async def _admit(self, path: str, model: str, body: dict[str, Any]) -> JSONResponse | None:
-        """The app's limits on one request (None: admitted)."""
+    async def _admit(
+        self, path: str, model: str, body: dict[str, Any], client: str
+    ) -> JSONResponse | None:
+        """The app's limits on one request (None: admitted): the same checks on every route,
+        whatever its body is (JSON, or a multipart form's fields), keyed by field name, so a
+        route vLLM adds is checked for every limited field it has (``LIMITED_FIELDS``; a unit
+        test goes over vLLM's route table)."""
         family = family_of(path)
         limits = self.limits
-        n = _int(body.get("n"), 1) or 1
-        if n > limits.max_n:
-            return error_response(400, f"n={n} exceeds the limit of {limits.max_n}", family=family)
+        for field in FAN_OUT_FIELDS:  # sequences per prompt: n, best_of (beam width)
+            value = _int(body.get(field), 1)
+            if value > limits.max_n:
+                message = f"{field}={value} exceeds the limit of {limits.max_n}"
+                return error_response(400, message, family=family)
+        n = max(_int(body.get(f), 1) or 1 for f in FAN_OUT_FIELDS)
         prompts = count_prompts(body, path)
         if prompts > limits.max_prompts:
             return error_response(
@@ -412,13 +463,13 @@ class OpenAIIngress:
             return error_response(400, max_tokens_message(model, max_tokens, limit), family=family)
         problem = check_processor_kwargs(body, limits)
         if problem is None:
-            problem = await self._check_media(path, model, body)
+            problem = await self._check_media(path, model, body, client)
         if problem is not None:
             return error_response(*problem, family=family)
         return None
 
     async def _check_media(
-        self, path: str, model: str, body: dict[str, Any]
+        self, path: str, model: str, body: dict[str, Any], client: str
     ) -> tuple[int, str] | None:
         """The media policy (:mod:`rbln_ray.serve.media_policy`), decoding off the loop."""
         from vllm.exceptions import VLLMClientError
@@ -430,7 +481,7 @@ class OpenAIIngress:
         if not parts:
             return None
         accepts = ("image",) if model in self.image_models else ()
-        return await asyncio.to_thread(check_media, model, parts, accepts, self.limits)
+        return await self.work.run(client, check_media, model, parts, accepts, self.limits)
 
     @staticmethod
     async def _json(raw: Request) -> dict[str, Any] | JSONResponse:
@@ -470,7 +521,7 @@ class OpenAIIngress:
         model = self._model(body.get("model"), family, unknown_model_param(route))
         if isinstance(model, Response):
             return model
-        refused = await self._admit(path, model, body)
+        refused = await self._admit(path, model, body, client_of(raw))
         if refused is not None:
             return refused
         previous = body.get("previous_response_id")
@@ -481,18 +532,33 @@ class OpenAIIngress:
 
     async def forward_upload(self, raw: Request) -> Response:
         """A multipart upload (``/v1/audio/*``, vLLM's form parsed and validated already):
-        routed by its ``model`` field, its audio checked by its header
-        (:func:`rbln_ray.serve.audio.check_upload`), then relayed byte for byte."""
-        from rbln_ray.serve.audio import check_upload
+        routed by its ``model`` field, its fields admitted as a JSON body's are, its audio
+        checked by its header, then relayed byte for byte, or as WAV when only FFmpeg reads
+        it (:func:`rbln_ray.serve.audio.prepare_upload`)."""
+        from rbln_ray.serve.audio import prepare_upload, upload_bytes, with_file
 
         form = await raw.form()  # FastAPI's parse, cached on the request
         model = self._model(form.get("model"), "openai")
         if isinstance(model, Response):
             return model
-        problem = await check_upload(form, self.limits)
-        if problem is not None:
-            return error_response(*problem)
-        return await self.relay(model, self._call(raw, raw.scope[BODY_KEY]))
+        client = client_of(raw)
+        fields = {k: v for k, v in form.multi_items() if isinstance(v, str)}
+        refused = await self._admit(raw.scope["path"], model, fields, client)
+        if refused is not None:
+            return refused
+        data = await upload_bytes(form)
+        if isinstance(data, tuple):
+            return error_response(*data)
+        prepared = await self.work.run(client, prepare_upload, data, self.limits)
+        if isinstance(prepared, tuple):
+            return error_response(*prepared)
+        call = self._call(raw, raw.scope[BODY_KEY])
+        if prepared is not None:  # re-encoded: the form again, with the WAV as its file
+            body, content_type = with_file(form, prepared, "upload.wav")
+            headers = tuple((k, content_type.encode() if k == b"content-type" else v)
+                            for k, v in call.headers)  # fmt: skip
+            call = dataclasses.replace(call, body=body, headers=headers)
+        return await self.relay(model, call)
 
     async def forward_stored(self, route: Any, raw: Request, params: dict[str, Any]) -> Response:
         """Retrieve or cancel a stored response (``Kind.RESPONSE_ID``): to the replica whose
@@ -602,7 +668,11 @@ class OpenAIIngress:
         Serve's status is a controller RPC: made off the event loop, at most once per
         ``HEALTH_CACHE_S`` however many probes arrive (the route needs no API key), and
         waited for at most ``HEALTH_TIMEOUT_S``: a probe is answered even while the
-        controller is down."""
+        controller is down. An ingress whose event loop or work threads stalled
+        (:mod:`rbln_ray.serve.ingress_work`) is a 503 whatever Serve says."""
+        problem = self.watchdog.problem() if self.watchdog else None
+        if problem:
+            return JSONResponse({"status": problem}, 503)
         try:
             app_status = (await self._status()).applications.get(self.app_name)
         except TimeoutError:

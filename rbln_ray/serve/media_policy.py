@@ -76,7 +76,7 @@ def request_media_parts(path: str, body: dict[str, Any]) -> Iterator[MediaPart]:
     if path.startswith("/v1/responses"):
         value = body.get("input")
         if isinstance(value, list):
-            yield from media_parts(value)
+            yield from media_parts(_responses_as_chat(value))
         return
     messages = body.get("messages")
     if isinstance(messages, list) and messages and isinstance(messages[0], list):
@@ -84,6 +84,18 @@ def request_media_parts(path: str, body: dict[str, Any]) -> Iterator[MediaPart]:
             yield from media_parts(conversation)
     elif isinstance(messages, list):
         yield from media_parts(messages)
+
+
+def _responses_as_chat(items: list[Any]) -> Iterator[dict[str, Any]]:
+    """Responses API input items as the chat messages vLLM makes of them: a message's
+    ``content``, and a tool result's ``output`` (``function_call_output``: vLLM turns it into
+    a tool message whose content parts, images included, its chat parser reads)."""
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        for field in ("content", "output"):
+            if isinstance(item.get(field), list):
+                yield {"content": item[field]}
 
 
 def _anthropic_as_chat(messages: Any) -> Iterator[dict[str, Any]]:

@@ -24,6 +24,7 @@ import functools
 import os
 import sys
 import types
+import typing
 from collections.abc import Iterable, Iterator
 from typing import Any
 from unittest import mock
@@ -144,6 +145,33 @@ def classify(path: str, method: str, route: Any) -> tuple[Kind, str | None]:
     if method == "GET":
         return Kind.QUERY_MODEL, None
     return Kind.MODEL, None
+
+
+def request_models(route: Any) -> list[type]:
+    """The pydantic model(s) a route's body is validated with (a union gives several; a
+    route that parses its body itself, none)."""
+    field = getattr(route, "body_field", None)
+    if field is None:
+        return []
+
+    def flat(annotation: Any) -> Iterator[Any]:
+        args = typing.get_args(annotation)
+        if args and typing.get_origin(annotation) is not list:
+            for arg in args:
+                yield from flat(arg)
+        else:
+            yield annotation
+
+    annotation = field.field_info.annotation
+    return [t for t in flat(annotation) if isinstance(t, type) and hasattr(t, "model_fields")]
+
+
+def takes_form(route: Any) -> bool:
+    """Whether a route's body is a multipart form (the speech-to-text uploads)."""
+    from fastapi import params
+
+    field = getattr(route, "body_field", None)
+    return field is not None and isinstance(field.field_info, params.Form)
 
 
 def unknown_model_param(route: Any) -> str | None:

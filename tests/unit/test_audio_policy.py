@@ -49,11 +49,21 @@ def flac_bytes(seconds: float) -> bytes:
 
 def m4a_bytes(seconds: float) -> bytes:
     """AAC in an MP4 container: a format libsndfile does not read (FFmpeg's path)."""
+    return _encoded(seconds, "mp4", "aac")
+
+
+def avi_bytes(seconds: float) -> bytes:
+    """PCM audio in an AVI container: FFmpeg reads it, but AVI is no audio demuxer the
+    ingress lets FFmpeg use (AUDIO_DEMUXERS)."""
+    return _encoded(seconds, "avi", "pcm_s16le")
+
+
+def _encoded(seconds: float, container: str, codec: str) -> bytes:
     import av
 
     buf = BytesIO()
-    with av.open(buf, "w", format="mp4") as out:
-        stream = out.add_stream("aac", rate=16000)
+    with av.open(buf, "w", format=container) as out:
+        stream = out.add_stream(codec, rate=16000)
         samples = (tone_clip(seconds, 440) * 32767).astype(np.int16)
         for start in range(0, len(samples), 1024):
             frame = av.AudioFrame.from_ndarray(
@@ -72,13 +82,14 @@ def m4a_bytes(seconds: float) -> bytes:
     [
         (b"", "empty"),
         (b"this is a text file, not audio\n" * 20, "not audio"),
-        (png_bytes(), "no audio stream (video (png))"),
+        (png_bytes(), "not audio in a format this server decodes"),  # no image demuxers
+        (avi_bytes(1.0), "not audio in a format this server decodes"),
         (wav_with_codec(0x1234), "codec"),
         (wav_bytes(tone_clip(21.0, 440)), "21.0 s long, more than limits.max_audio_seconds = 20"),
         (flac_bytes(25.0), "25.0 s"),
         (m4a_bytes(22.0), "more than limits.max_audio_seconds"),
     ],
-    ids=["empty", "text", "png", "unknown-codec", "long-wav", "long-flac", "long-m4a"],
+    ids=["empty", "text", "png", "avi", "unknown-codec", "long-wav", "long-flac", "long-m4a"],
 )
 def test_bad_audio_is_a_400_naming_the_problem(data: bytes, needle: str) -> None:
     status, message = check_audio(data, LIMITS)
@@ -231,3 +242,44 @@ def test_a_wav_header_is_read_without_decoding_the_samples() -> None:
     """The duration comes from the header: a WAV that declares 1 s holds 1 s of samples."""
     with wave.open(BytesIO(WAV)) as w:
         assert w.getnframes() == 16000
+
+
+def test_an_upload_only_ffmpeg_reads_reaches_the_replica_as_wav(speech_ingress) -> None:
+    """An M4A upload is decoded in the ingress (restricted FFmpeg) and relayed as 16-bit WAV,
+    so the replica's vLLM reads it with libsndfile and never opens FFmpeg on client bytes;
+    its samples are FFmpeg's own decode of the upload (an independent decode, PyAV's)."""
+    import av
+    import soundfile
+
+    app, server, stub = speech_ingress
+    m4a = m4a_bytes(2.0)
+    r = upload(app, "/v1/audio/transcriptions", {"file": ("a.m4a", m4a, "audio/mp4")},
+               {"model": "whisper", "language": "en"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    relayed = stub.seen[-1][0]
+    assert relayed[:4] == b"RIFF" and stub.seen[-1][1].language == "en"
+    got, rate = soundfile.read(BytesIO(relayed), dtype="float32")
+    with av.open(BytesIO(m4a)) as container:
+        # fltp frames: [channels, samples]; mixed to mono as the ingress does
+        reference = np.concatenate([f.to_ndarray().mean(axis=0) for f in container.decode(audio=0)])
+    assert rate == 16000 and len(got) == len(reference)
+    assert np.abs(got - np.clip(reference, -1, 1)).max() < 2 / 32768  # 16-bit rounding
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"n": "50"}, "n=50 exceeds the limit of 8"),
+        ({"max_completion_tokens": "99999"}, "max_tokens=99999 exceeds the limit"),
+        ({"n": "8", "use_beam_search": "true", "max_completion_tokens": "10000"}, "exceeds"),
+    ],
+    ids=["n", "max-tokens", "beam"],
+)
+def test_uploads_are_held_to_the_same_limits_as_json_bodies(speech_ingress, fields, needle):
+    """The form fields of an upload pass the admission limits a JSON body's fields do."""
+    app, server, _ = speech_ingress
+    before = len(server.calls)
+    r = upload(app, "/v1/audio/transcriptions", {"file": ("a.wav", WAV, "audio/wav")},
+               {"model": "whisper", **fields})  # fmt: skip
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert len(server.calls) == before

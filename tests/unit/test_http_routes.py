@@ -23,7 +23,15 @@ from rbln_ray.serve.http_call import (
     parse_response_id,
     routing_prefix,
 )
-from rbln_ray.serve.routes import Kind, markdown, table, text, unknown_model_param, vllm_routes
+from rbln_ray.serve.routes import (
+    Kind,
+    classify,
+    markdown,
+    table,
+    text,
+    unknown_model_param,
+    vllm_routes,
+)
 
 GOLDEN = Path(__file__).parent / "data" / "vllm_routes.txt"
 ROOT = Path(__file__).resolve().parents[2]
@@ -454,11 +462,152 @@ def test_media_of_every_route_is_checked(ingress_app) -> None:
             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                           "data": "aGVsbG8="}}]}]},
     }  # fmt: skip
+    # images in tool results: a Responses function_call_output whose output is a list of
+    # parts (vLLM makes it a tool message), an Anthropic tool_result block
+    tool_outputs = {
+        "/v1/responses": {"model": "m", "input": [
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [
+                {"type": "input_image", "image_url": url, "detail": "auto"}]}]},
+        "/v1/messages": {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                              "data": "aGVsbG8="}}]}]}]},
+    }  # fmt: skip
     before = len(servers["m"].calls)
-    for path, body in bodies.items():
+    for path, body in [*bodies.items(), *tool_outputs.items()]:
         r = post(app, path, body)
         assert r.status_code == 400, (path, r.text)
         text = r.text
         assert "does not accept image inputs" in text, (path, text)
     assert post(app, "/v1/messages", bodies["/v1/messages"]).json()["type"] == "error"
     assert len(servers["m"].calls) == before
+
+
+# Values for a route's required fields, so the over-limit field is the only thing wrong
+# (the first a shape's model accepts).
+MESSAGE = {"role": "user", "content": "x"}
+REQUIRED = {"messages": ([MESSAGE], [[MESSAGE]]), "input": ("x",), "prompt": ("x",),
+            "query": ("x",), "documents": (["x"],), "queries": (["x"],), "items": (["x"],),
+            "text_1": ("x",), "text_2": ("x",), "data_1": (["x"],), "data_2": (["x"],),
+            "data": ("x",), "tokens": ([1],), "model": ("m",), "max_tokens": (4,),
+            "texts": (["x"],)}  # fmt: skip
+
+
+def required_body(model, required: list[str]) -> dict:
+    """A body of ``model`` with each required field set to the first value it accepts."""
+    from pydantic import ValidationError
+
+    body: dict = {}
+    for field in required:
+        for value in REQUIRED[field]:
+            try:
+                model.model_validate({**body, field: value})
+            except ValidationError as exc:
+                if any(e["loc"][:1] == (field,) for e in exc.errors()):
+                    continue
+            except Exception as exc:  # noqa: BLE001 - vLLM's own (VLLMValidationError)
+                if getattr(exc, "parameter", None) == field:
+                    continue
+            body[field] = value
+            break
+    return body
+
+
+def over_limit(path: str, field: str) -> tuple[object, str] | None:
+    """An over-limit value of ``field`` for the ingress_app's limits, and the refusal's words;
+    None for a field no limit applies to on this route."""
+    from rbln_ray.serve.ingress import (
+        CHAT_ROUTES,
+        CONVERSATION_ROUTES,
+        FAN_OUT_FIELDS,
+        PROMPT_FIELDS,
+        TOKEN_FIELDS,
+    )
+
+    if field in FAN_OUT_FIELDS:
+        return 3, f"{field}=3 exceeds the limit of 2"
+    if field in TOKEN_FIELDS:
+        return 60, "max_tokens=60 exceeds the limit of 50"
+    if field in PROMPT_FIELDS and not path.startswith((*CONVERSATION_ROUTES, *CHAT_ROUTES)):
+        return ["a"] * 5, "max_prompts"
+    return None
+
+
+def test_every_limit_holds_on_every_route_of_vllms_table(ingress_app) -> None:
+    """Generated from vLLM's route table, so a route vLLM adds cannot skip a limit: for every
+    route forwarded by model, every shape of its body (each model of a union) and every
+    limited field that shape has, an over-limit value is refused with a 400 naming the limit
+    (or vLLM's own validation naming the field) before any replica, JSON bodies and multipart
+    uploads alike. A required field this test
+    cannot fill fails it, naming the field."""
+    from rbln_ray.serve.ingress import LIMITED_FIELDS
+    from rbln_ray.serve.routes import request_models, takes_form
+
+    app, servers = ingress_app
+    checked: list[tuple[str, str]] = []
+    for (path, method), route in vllm_routes().items():
+        if classify(path, method, route)[0] is not Kind.MODEL:
+            continue
+        for model in request_models(route):
+            fields = model.model_fields
+            limited = [
+                f for f, info in fields.items()
+                if f in LIMITED_FIELDS and over_limit(path, f) and fits(info, f)
+            ]  # fmt: skip
+            required = [f for f, info in fields.items() if info.is_required() and f != "file"]
+            # what some shapes need though no field alone is required
+            required += [f for f in ("prompt", "texts") if f in fields and f not in required]
+            missing = [f for f in required if f not in REQUIRED]
+            if not limited:
+                continue
+            assert not missing, (path, model.__name__, missing)
+            for field in limited:
+                value, needle = over_limit(path, field)
+                needed = [f for f in required if f != field]
+                body = required_body(model, needed) | {"model": "m", field: value}
+                before = len(servers["m"].calls)
+                send = form_post if takes_form(route) else post
+                r = send(app, path, body)
+                assert r.status_code == 400, (path, model.__name__, field, r.text)
+                # the app's limit, or vLLM's own validation refusing that field
+                named = needle in r.text or r.json().get("error", {}).get("param") == field
+                assert named, (path, model.__name__, field, r.text)
+                assert len(servers["m"].calls) == before
+                checked.append((path, field))
+    routes = {p for p, _ in checked}
+    assert {"/v1/audio/transcriptions", "/v1/audio/translations", "/v1/messages",
+            "/v1/responses", "/v2/embed", "/v1/embeddings", "/v2/rerank",
+            "/v1/chat/completions/batch"} <= routes, routes  # fmt: skip
+
+
+def fits(info, field: str) -> bool:
+    """Whether a field's type admits the over-limit value (a prompt field that takes one
+    string cannot carry several prompts: vLLM's own 400 refuses a list there)."""
+    import typing
+
+    from rbln_ray.serve.ingress import PROMPT_FIELDS
+
+    if field not in PROMPT_FIELDS:
+        return True
+
+    def origins(annotation):
+        yield typing.get_origin(annotation) or annotation
+        for arg in typing.get_args(annotation):
+            yield from origins(arg)
+
+    return list in set(origins(info.annotation))
+
+
+def form_post(app, path: str, fields: dict) -> httpx.Response:
+    from rbln_ray.models.speech import tone_clip, wav_bytes
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
+            files = {"file": ("a.wav", wav_bytes(tone_clip(0.1, 440)), "audio/wav")}
+            data = {k: v if isinstance(v, str) else json.dumps(v) for k, v in fields.items()}
+            headers = {"Authorization": f"Bearer {KEY}"}
+            return await client.post(path, files=files, data=data, headers=headers)
+
+    return asyncio.run(go())
