@@ -149,6 +149,7 @@ class LLMServer:
 
         from rbln_ray.common.logging_setup import apply_process_defaults, setup_logging
         from rbln_ray.emulator import ensure_runtime
+        from rbln_ray.serve import remote_media  # registers its media connector with vLLM
         from rbln_ray.serve.audio import replica_env
         from rbln_ray.serve.replica_bind import bind_replica_grpc_to_loopback
         from rbln_ray.serve.warmup import warm_up
@@ -164,8 +165,8 @@ class LLMServer:
         # The replica tag of this engine's device metrics: the engine core process inherits
         # it, the Ray executor forwards it to the worker actors (envs.FORWARDED).
         os.environ["RBLN_RAY_REPLICA"] = self.replica_id
-        # A media URL is fetched only from an allowed domain; a redirect could leave it.
-        os.environ.setdefault("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "0")
+        # Remote media (when allowed) only from public addresses, never by a redirect.
+        os.environ.update(remote_media.replica_env())
         for name in UNSET_ENV:
             os.environ.pop(name, None)
         if self.cfg.responses_store:  # read by vLLM's OpenAIServingResponses
