@@ -16,7 +16,6 @@ the engine waits for) raises at once instead of waiting.
 
 from __future__ import annotations
 
-import socket
 import struct
 from dataclasses import dataclass
 
@@ -44,7 +43,7 @@ class StageFailure:
 class HiddenStream:
     """One end of a boundary's stream: :meth:`send` on rank k, :meth:`receive` on rank k+1."""
 
-    def __init__(self, conn: socket.socket, peer_rank: int) -> None:
+    def __init__(self, conn: framing.Stream, peer_rank: int) -> None:
         self._conn = conn
         self._peer = peer_rank
 

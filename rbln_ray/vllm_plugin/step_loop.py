@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import pickle
 import queue
-import socket
 import threading
 import traceback
 from collections.abc import Callable
@@ -81,7 +80,7 @@ class StepLoop:
 
     def __init__(
         self,
-        conn: socket.socket,
+        conn: framing.Stream,
         run: Callable[..., Any],
         *,
         reports_results: bool,

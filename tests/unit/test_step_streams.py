@@ -56,14 +56,14 @@ def test_frames_cross_in_order_and_a_close_wakes_the_reader() -> None:
 def test_a_stranger_connecting_first_is_refused_and_the_peer_still_gets_in(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A connection without the token (a port scan, a stranger who connected first) is
-    closed and the listener goes on waiting for its peer; with none, it gives up in time."""
+    """A connection without the token's proof (a port scan, a stranger who connected first)
+    is closed and the listener goes on waiting for its peer; with none, it gives up in time."""
     token = framing.new_token()
     listener = framing.Listener("127.0.0.1", token)
     intruder = framing.connect(listener.address, framing.new_token())
-    silent = socket.create_connection(listener.address)  # connects, never sends a token
+    silent = socket.create_connection(listener.address)  # connects, never sends a greeting
     silent.close()
-    peer_box: list[socket.socket] = []
+    peer_box: list[framing.Stream] = []
     joiner = threading.Thread(
         target=lambda: peer_box.append(framing.connect(listener.address, token))
     )
@@ -82,22 +82,96 @@ def test_a_stranger_connecting_first_is_refused_and_the_peer_still_gets_in(
         lonely.accept()
 
 
-def test_frames_of_unexpected_kind_or_size_are_refused_unread() -> None:
+def test_silent_connections_do_not_delay_the_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dozen connections that never greet are each given their own handshake deadline:
+    the peer behind them is accepted without waiting for theirs (each would hold it for
+    HANDSHAKE_TIMEOUT_S if they were greeted one at a time; here that is an hour)."""
+    monkeypatch.setattr(framing, "HANDSHAKE_TIMEOUT_S", 3600.0)
+    monkeypatch.setattr(framing, "CONNECT_TIMEOUT_S", WAIT_S)
+    token = framing.new_token()
+    listener = framing.Listener("127.0.0.1", token)
+    silent = [socket.create_connection(listener.address) for _ in range(12)]
+    peer = framing.connect(listener.address, token)
+    conn = listener.accept()  # would raise TimeoutError after WAIT_S if held up
+    framing.send_frame(peer, 1, 0, b"up")
+    assert framing.recv_frame(conn, (1,)) == (1, 0, bytearray(b"up"))
+    for s in silent:
+        s.close()
+    framing.close(conn)
+    framing.close(peer)
+
+
+def wire_bytes(sender: framing.Stream, kind: int, seq: int, payload: bytes) -> bytearray:
+    """The bytes ``sender``'s next frame puts on the wire, captured on a socketpair instead
+    (the sender's keys and counter; the sender itself is left as it was)."""
     a, b = socket.socketpair()
+    twin = framing.Stream(a, sender._send_key, sender._recv_key)
+    twin._sent = sender._sent
+    framing.send_frame(twin, kind, seq, payload)
+    wire = bytearray(b.recv(1 << 16))
+    a.close()
+    b.close()
+    return wire
+
+
+def test_the_token_never_crosses_the_wire_and_frames_are_authenticated() -> None:
+    """The greeting proves the token without sending it; a frame replayed (its counter is
+    past) or altered in flight fails authentication and is never handed on."""
+    token = framing.new_token()
+    listener = framing.Listener("127.0.0.1", token)
+    raw = socket.create_connection(listener.address)
+    nonce = b"n" * framing.NONCE_BYTES
+    greeting = framing.HELLO + nonce + framing._mac(token.encode(), framing.HELLO, nonce)
+    assert token.encode() not in greeting
+    raw.sendall(greeting)
+    receiver = listener.accept()
+    sender = framing.Stream.from_nonce(raw, token, nonce, connector=True)
+
+    first = wire_bytes(sender, 3, 0, b"pickle-bytes")
+    raw.sendall(first)
+    assert framing.recv_frame(receiver, (3,)) == (3, 0, bytearray(b"pickle-bytes"))
+    raw.sendall(first)  # the same frame again: a replay
+    with pytest.raises(framing.FrameError, match="failed authentication"):
+        framing.recv_frame(receiver, (3,))
+    framing.close(receiver)
+    framing.close(sender)
+
+    listener = framing.Listener("127.0.0.1", token)
+    sender = framing.connect(listener.address, token)
+    receiver = listener.accept()
+    wire = wire_bytes(sender, 3, 0, b"pickle-bytes")
+    wire[framing._HEADER.size] ^= 1  # one payload bit flipped in flight
+    sender.sock.sendall(wire)
+    with pytest.raises(framing.FrameError, match="failed authentication"):
+        framing.recv_frame(receiver, (3,))
+    framing.close(receiver)
+    framing.close(sender)
+
+
+def socket_pair() -> tuple[framing.Stream, framing.Stream]:
+    """Two ends of one stream over a socketpair (keys as a greeting would give them)."""
+    a, b = socket.socketpair()
+    token, nonce = framing.new_token(), b"x" * framing.NONCE_BYTES
+    return (framing.Stream.from_nonce(a, token, nonce, connector=True),
+            framing.Stream.from_nonce(b, token, nonce, connector=False))  # fmt: skip
+
+
+def test_frames_of_unexpected_kind_or_size_are_refused_unread() -> None:
+    a, b = socket_pair()
     framing.send_frame(a, 9, 0, b"x")
     with pytest.raises(framing.FrameError, match="kind 9"):
         framing.recv_frame(b, (1, 2))
-    a.close()
-    b.close()  # a refused frame leaves the stream out of step: it is closed, never reused
-    a, b = socket.socketpair()
-    a.sendall(framing._HEADER.pack(1, 0, framing.MAX_FRAME_BYTES + 1))
+    framing.close(a)
+    framing.close(b)  # a refused frame leaves the stream out of step: it is closed, never reused
+    a, b = socket_pair()
+    a.sock.sendall(framing._HEADER.pack(1, 0, framing.MAX_FRAME_BYTES + 1))
     with pytest.raises(framing.FrameError, match="bytes"):
         framing.recv_frame(b, (1,))
     assert framing.wait_readable(b, 0) is False
     framing.send_frame(a, 1, 3, b"ok")
     assert framing.wait_readable(b, 1.0) and framing.recv_frame(b, (1,))[1] == 3
-    a.close()
-    b.close()
+    framing.close(a)
+    framing.close(b)
 
 
 # -- the step loop ---------------------------------------------------------------------------
@@ -168,7 +242,7 @@ def send_step(engine, seq: int) -> None:
 
 
 def recv_result(engine) -> tuple[int, int, object]:
-    engine.settimeout(WAIT_S)
+    engine.sock.settimeout(WAIT_S)
     kind, seq, payload = framing.recv_frame(engine)
     return kind, seq, pickle.loads(payload) if kind == RESULT else payload.decode()
 
@@ -223,7 +297,7 @@ def test_a_rank_that_reports_nothing_closes_its_stream_when_a_step_fails() -> No
     worker = Worker(fail_at=0)
     worker.start(conn, reports=False)
     send_step(engine, 0)
-    engine.settimeout(WAIT_S)
+    engine.sock.settimeout(WAIT_S)
     with pytest.raises(framing.StreamClosed):
         framing.recv_frame(engine)
     framing.close(engine)
@@ -258,7 +332,7 @@ def test_an_out_of_order_step_stops_the_loop() -> None:
     worker = Worker()
     worker.start(conn)
     send_step(engine, 1)  # step 0 never came
-    engine.settimeout(WAIT_S)
+    engine.sock.settimeout(WAIT_S)
     with pytest.raises(framing.StreamClosed):
         framing.recv_frame(engine)
     assert worker.ran == []
