@@ -7,7 +7,7 @@ time and flash attention with automatic block counts compiles with one block and
 later, so only KV *shapes* are stored; runtimes allocate the real buffers.
 
 Saved ``.rbln`` files are ``torch.save`` pickles loaded with ``weights_only=False``, so a file
-is loaded only when :func:`rbln_ray.emulator.trusted_files.check_trusted` trusts it (owner,
+is loaded only when :func:`rbln_ray.emulator.trusted_files.opened_trusted` trusts it (owner,
 modes, and the digest written beside it at save time).
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from rbln_ray.common.dtypes import torch_dtype
-from rbln_ray.emulator.trusted_files import check_trusted, write_digest
+from rbln_ray.emulator.trusted_files import opened_trusted, write_digest
 from rbln_ray.npu import kinds
 
 logger = logging.getLogger(__name__)
@@ -88,8 +88,8 @@ class RBLNCompiledModel:
         if _payload is None:
             if path is None:
                 raise TypeError("RBLNCompiledModel needs a path")
-            check_trusted(path)
-            _payload = torch.load(Path(path), map_location="cpu", weights_only=False, mmap=True)
+            with opened_trusted(path) as checked:  # the file checked is the file loaded
+                _payload = torch.load(checked, map_location="cpu", weights_only=False, mmap=True)
             if not isinstance(_payload, dict) or _payload.get("format") != FORMAT:
                 raise ValueError(f"{path} is not an emulated RBLN compiled model ({FORMAT})")
             _share_weights(_payload["module"], _payload["group_id"])

@@ -7,13 +7,22 @@ else owns) would be code execution in the serving process. So a file is loaded o
 user (or root) owns it and no other user may write it or its directory; and it must match the
 SHA-256 digest the emulator wrote next to it when it saved the file (a truncated or altered
 file is refused before it is unpickled).
+
+Why the file is checked and loaded through one open descriptor (:func:`opened_trusted`): a
+check by path followed by a load by path leaves a gap in which the path can be made to name
+another file (a rename or a symlink swapped in). The file is opened once, without following
+a symlink; its owner and mode are read from that descriptor, its digest is computed from it,
+and the loader opens ``/proc/self/fd/N``, which is that same open file whatever its path
+names by then.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 DIGEST_SUFFIX = ".sha256"
@@ -43,8 +52,8 @@ def write_digest(path: Path) -> None:
     os.replace(tmp, target)
 
 
-def _check_owner_and_mode(path: Path) -> None:
-    info = path.stat()
+def _check_owner_and_mode(path: Path, info: os.stat_result | None = None) -> None:
+    info = path.stat() if info is None else info
     uid = os.getuid()
     if info.st_uid not in (uid, 0):
         raise UntrustedArtifactError(
@@ -58,18 +67,51 @@ def _check_owner_and_mode(path: Path) -> None:
         )
 
 
-def check_trusted(path: str | os.PathLike[str]) -> None:
-    """Raise :class:`UntrustedArtifactError` unless ``path`` may be unpickled (module
-    docstring): owner, modes of it and its directory, and its recorded digest."""
+def _fd_digest(fd: int) -> str:
+    h = hashlib.sha256()
+    os.lseek(fd, 0, os.SEEK_SET)
+    for chunk in iter(lambda: os.read(fd, 1 << 20), b""):
+        h.update(chunk)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return h.hexdigest()
+
+
+def _open_nofollow(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise UntrustedArtifactError(f"{path} is a symbolic link: refused") from exc
+        raise
+
+
+@contextlib.contextmanager
+def opened_trusted(path: str | os.PathLike[str]) -> Iterator[str]:
+    """A path that names ``path``'s file as it was checked (``/proc/self/fd/N`` of the one
+    descriptor the checks read), while the context is open; raises
+    :class:`UntrustedArtifactError` unless it may be unpickled (module docstring)."""
     path = Path(path)
-    _check_owner_and_mode(path)
     _check_owner_and_mode(path.parent)
-    recorded = digest_path(path)
-    if not recorded.is_file():
-        raise UntrustedArtifactError(
-            f"{path} has no digest ({recorded.name}): it was not written by this emulator's "
-            "compile (or predates digests); compile it again"
-        )
-    _check_owner_and_mode(recorded)
-    if recorded.read_text().strip() != file_digest(path):
-        raise UntrustedArtifactError(f"{path} does not match its recorded digest: altered")
+    fd = _open_nofollow(path)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UntrustedArtifactError(f"{path} is not a regular file")
+        _check_owner_and_mode(path, info)
+        recorded = digest_path(path)
+        if not recorded.is_file():
+            raise UntrustedArtifactError(
+                f"{path} has no digest ({recorded.name}): it was not written by this "
+                "emulator's compile (or predates digests); compile it again"
+            )
+        digest_fd = _open_nofollow(recorded)
+        try:
+            _check_owner_and_mode(recorded, os.fstat(digest_fd))
+            expected = os.read(digest_fd, 1024).decode(errors="replace").strip()
+        finally:
+            os.close(digest_fd)
+        if expected != _fd_digest(fd):
+            raise UntrustedArtifactError(f"{path} does not match its recorded digest: altered")
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)

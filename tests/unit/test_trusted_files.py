@@ -9,10 +9,15 @@ import pytest
 
 from rbln_ray.emulator.trusted_files import (
     UntrustedArtifactError,
-    check_trusted,
     digest_path,
+    opened_trusted,
     write_digest,
 )
+
+
+def check_trusted(path) -> None:
+    with opened_trusted(path):
+        pass
 
 
 @pytest.fixture
@@ -46,3 +51,23 @@ def test_a_file_others_may_write_is_refused(artifact, target: str) -> None:
     os.chmod(where, 0o777 if target == "directory" else 0o666)
     with pytest.raises(UntrustedArtifactError, match="writable by other users"):
         check_trusted(artifact)
+
+
+def test_the_file_loaded_is_the_file_checked(artifact) -> None:
+    """Once checked, the path the loader gets names the checked file, even if the artifact's
+    path is made to name another file before the load (no time-of-check/time-of-use gap)."""
+    with opened_trusted(artifact) as checked:
+        swapped = artifact.with_name("evil.rbln")
+        swapped.write_bytes(b"code the owner never compiled")
+        os.replace(swapped, artifact)  # the path now names another file
+        with open(checked, "rb") as f:
+            assert f.read() == b"a pickle, for all the loader knows"
+
+
+def test_a_symbolic_link_is_refused(artifact) -> None:
+    link = artifact.with_name("link.rbln")
+    link.symlink_to(artifact)
+    write_digest(artifact)
+    digest_path(artifact).rename(digest_path(link))
+    with pytest.raises(UntrustedArtifactError, match="symbolic link"):
+        check_trusted(link)
