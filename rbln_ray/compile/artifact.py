@@ -112,6 +112,19 @@ class CompiledArtifact:
             return 0
         return min(widths.values()) - 1
 
+    def kv_identity(self) -> dict:
+        """What makes this artifact's KV reusable by another engine: its directory, its
+        config's content and every compiled graph file's size and modification time (a
+        recompiled or different model never shares KV; rbln_ray.vllm_plugin.host_tier)."""
+        config = self.path / RBLN_CONFIG
+        graphs = sorted(self.path.rglob("*.rbln"))
+        return {
+            "path": str(self.path.resolve()),
+            "config": config.read_text() if config.is_file() else "",
+            "graphs": [(str(g.relative_to(self.path)), g.stat().st_size, g.stat().st_mtime_ns)
+                       for g in graphs],  # fmt: skip
+        }
+
     @property
     def blocks_per_seq(self) -> int:
         """Block-table width: KV blocks one sequence of ``max_seq_len`` tokens spans."""

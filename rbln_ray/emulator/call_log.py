@@ -24,7 +24,9 @@ class CallRecord:
     start: float  # time.perf_counter() at entry
     end: float
     modelled_s: float | None  # None in compute mode
-    kind: str  # "prefill", "decode", "verify" (several tokens per row, a decode graph) or "copy"
+    # "prefill", "decode", "verify" (several tokens per row, a decode graph), "copy" (on the
+    # device) or "host" (a host KV transfer)
+    kind: str
     batch: int
     graph: str = ""  # the compiled directory the graph belongs to (a draft model's vs a target's)
 
@@ -119,9 +121,10 @@ def record_call(
     RECORDER.add(CallRecord(start, time.perf_counter(), modelled_s, kind, batch, graph), overrun_s)
 
 
-def record_copy(start: float, modelled_s: float | None = None) -> None:
-    """Log one ``_copy_kv_cache`` call (kind ``"copy"``, batch 1)."""
-    RECORDER.add(CallRecord(start, time.perf_counter(), modelled_s, "copy", 1))
+def record_copy(start: float, modelled_s: float | None = None, kind: str = "copy") -> None:
+    """Log one ``_copy_kv_cache`` call (kind ``"copy"``, batch 1), or a host KV transfer
+    (kind ``"host"``)."""
+    RECORDER.add(CallRecord(start, time.perf_counter(), modelled_s, kind, 1))
 
 
 class RuntimeCallsExtension:

@@ -22,13 +22,18 @@ cache at once". That signature is the one emulated. Semantics, consistent with
   block id out of range, a slot range past the block, a ``host`` too small, not contiguous
   or not on the CPU.
 
-Not modelled: the host's 4 KiB alignment the real runtime requires, and transfer time in
-timing mode (the copy is real, instant CPU work in both modes).
+Timing and modelled modes spend the modelled transfer time (the transferred slots' bytes
+over the device kind's host link, :func:`rbln_ray.npu.cost_model.host_transfer_cost`, with
+the modelled model's KV bytes per token), so no benchmark gets a host KV tier's transfers
+for free; timing mode copies nothing (its KV cache holds nothing), modelled mode copies then
+sleeps the rest. Not modelled: the host's 4 KiB alignment the real runtime requires.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -53,9 +58,12 @@ def check_slots(op: str, name: str, buf: torch.Tensor, offset: int, length: int)
 
 
 class KVHostTransfer:
-    """Mixin for ``Runtime``: needs ``self.kv_buffers`` (name -> static KV tensor, in order)."""
+    """Mixin for ``Runtime``: needs ``self.kv_buffers`` (name -> static KV tensor, in order)
+    and ``self._timing`` / ``self._modelled`` (the emulator mode's device-time model)."""
 
     kv_buffers: dict[str, torch.Tensor]
+    _timing: Any
+    _modelled: bool
 
     def _selected(self, op: str, layer_name: str | None) -> list[tuple[str, torch.Tensor]]:
         buffers = self.kv_buffers
@@ -94,6 +102,10 @@ class KVHostTransfer:
         have = host.numel() * host.element_size()
         if have < need:
             raise ValueError(f"{op}: host holds {have} bytes but the KV cache needs {need}")
+        began = time.perf_counter()
+        if self._timing is not None and not self._modelled:  # timing: no KV to move
+            self._timing.sleep_transfer(size, began)
+            return
         raw = host.reshape(-1).view(torch.uint8)
         start = 0
         for _, buf in selected:
@@ -102,6 +114,8 @@ class KVHostTransfer:
             start += nbytes
             src, dst = (buf, mirror) if to_host else (mirror, buf)
             dst[block, ..., offset : offset + size, :] = src[block, ..., offset : offset + size, :]
+        if self._timing is not None:  # modelled: the rest of the modelled transfer time
+            self._timing.sleep_transfer(size, began)
 
     def _fetch_kv_cache(
         self,

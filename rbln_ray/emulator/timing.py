@@ -49,6 +49,7 @@ from rbln_ray.npu.cost_model import (
     Row,
     call_cost,
     copy_cost,
+    host_transfer_cost,
     shape_from_spec,
 )
 
@@ -175,6 +176,14 @@ class GraphTiming:
         seconds = copy_cost(self.shape, tokens, self.spec)
         sleep_until(start + seconds)
         record_copy(start, seconds)
+
+
+    def sleep_transfer(self, tokens: int, start: float) -> None:
+        """A host KV transfer of ``tokens`` slots (``_fetch_kv_cache``/``_update_kv_cache``):
+        sleep until its modelled time over the host link has passed since ``start``."""
+        seconds = host_transfer_cost(self.shape, tokens, self.spec)
+        sleep_until(start + seconds)
+        record_copy(start, seconds, kind="host")
 
 
 def graph_timing(cm: Any) -> GraphTiming:

@@ -42,7 +42,18 @@ shard-group efficiency     0.85 (assumption)       0.85 (assumption)
 per-layer sync, N > 1      10 us (assumption)      10 us (assumption)
 usable DRAM                16 GiB - 288 MiB        4 x (36 GiB - 1 GiB) = 140 GiB
                            (optimum-rbln)          (optimum-rbln; 144 GB HBM3E published)
+host link                  PCIe 5.0 x16: 63 GB/s   PCIe 5.0 x16: 63 GB/s per direction
+                           per direction           (assumption: REBEL's host interface
+                           (published: ATOM's      is not published)
+                           "PCIe Gen5 x16" host
+                           interface; 32 GT/s x 16
+                           lanes, 128b/130b, PCI-
+                           SIG's PCIe 5.0 spec)
+host link efficiency       0.8 (assumption)        0.8 (assumption)
 =========================  ======================  ======================================
+
+The host link carries the KV a host tier moves (``host_transfer_cost``: the
+``_fetch_kv_cache`` / ``_update_kv_cache`` of one RBLN block's cached prefix).
 
 Overrides (environment, all optional; they apply to whichever kind is emulated):
 
@@ -84,6 +95,8 @@ class DeviceSpec:
     sync_per_layer_s: float = 10e-6
     dram_capacity: int = DEVICE_DRAM_BYTES
     name: str = kinds.ATOM.family
+    host_link_bytes_per_s: float = 63e9  # PCIe 5.0 x16, one direction
+    host_link_eff: float = 0.8
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, kind: str | None = None) -> DeviceSpec:
@@ -524,6 +537,15 @@ def prefill_cost(
         total += call_cost(shape, [Row(chunk, start)], 1, spec, num_devices).seconds
         start += chunk
     return total
+
+
+def host_transfer_cost(shape: ModelShape, tokens: int, spec: DeviceSpec | None = None) -> float:
+    """Seconds to move ``tokens`` slots of KV (every layer's K and V) between the device and
+    host memory over the host link (one direction), plus one call's fixed cost: what a host
+    KV tier pays to save a block before the device reuses it, or to load it back."""
+    spec = spec or DeviceSpec()
+    nbytes = tokens * shape.kv_bytes_per_token
+    return nbytes / (spec.host_link_bytes_per_s * spec.host_link_eff) + spec.call_overhead_s
 
 
 def copy_cost(shape: ModelShape, tokens: int, spec: DeviceSpec | None = None) -> float:

@@ -43,8 +43,11 @@ def register_models() -> None:
         return
     from vllm import ModelRegistry
 
+    from rbln_ray.vllm_plugin.host_kv_connector import register as register_host_tier
+
     for arch, qualname in declarations().items():
         ModelRegistry.register_model(arch, qualname)
+    register_host_tier()  # kv_connector: RBLNHostKVConnector
 
 
 def declarations() -> dict[str, str]:

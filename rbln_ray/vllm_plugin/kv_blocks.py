@@ -16,6 +16,12 @@ decides which RBLN block holds what, and turns a vLLM hit into device work:
 * a hit nobody holds any more (vLLM thought it cached, the device block was reused) is
   **recomputed**: the prefill starts earlier than vLLM's ``num_computed_tokens``.
 
+With a host KV tier (:mod:`rbln_ray.vllm_plugin.host_tier`, switched on by the
+``RBLNHostKVConnector``), cached content is not lost when its block is reused: a free block's
+chain is **saved** to the tier first (:class:`HostSave`, run by the workers before anything of
+the step writes that block), and a hit the tier holds further than any device block is
+**loaded** into a fresh block (:class:`HostLoad`) instead of being recomputed.
+
 Each RBLN block remembers the chain of vLLM block hashes it holds (a hash identifies the
 whole prefix up to that block, so equal hashes mean equal KV at equal positions). When a
 block is overwritten, hashes no other block holds are evicted from vLLM's prefix cache, so
@@ -30,6 +36,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +95,39 @@ class KVCopy:
     tokens: int
 
 
+@dataclass(frozen=True)
+class HostSave:
+    """Save the first ``tokens`` slots of RBLN block ``block`` to the host tier, before the
+    step writes it: positions ``[start, start + tokens)`` of a prefix whose vLLM block hashes
+    (of those positions) are ``hashes``."""
+
+    block: int
+    start: int
+    tokens: int
+    hashes: tuple[Hashable, ...]
+
+
+@dataclass(frozen=True)
+class HostLoad:
+    """Load host tier entry ``entry``'s first ``tokens`` slots (positions from ``start``)
+    into RBLN block ``block`` for request ``req_id``, before its prefill."""
+
+    req_id: str
+    entry: int
+    block: int
+    start: int
+    tokens: int
+
+
+class HostLookup(Protocol):
+    """What the block plan asks of a host tier (:class:`~rbln_ray.vllm_plugin.host_tier.
+    HostKVTier`)."""
+
+    def segment_hit(self, hashes: Sequence[Hashable], start: int) -> Any: ...
+
+    def holds(self, hashes: Sequence[Hashable], start: int) -> bool: ...
+
+
 @dataclass
 class KVStepPlan:
     """What the workers need from the scheduler for one step, beyond vLLM's own output."""
@@ -109,6 +149,10 @@ class KVStepPlan:
     # request's pinned cache slot, and the slot decode padding rows use.
     slots: dict[str, int] = field(default_factory=dict)
     scratch_slot: int = NO_BLOCK
+    # Host KV tier: blocks to save before anything of the step writes them, and entries to
+    # load before the prefill (a load that fails prefills from its start instead).
+    host_saves: list[HostSave] = field(default_factory=list)
+    host_loads: list[HostLoad] = field(default_factory=list)
 
 
 @dataclass
@@ -125,12 +169,21 @@ class _Outer:
 class OuterBlockManager:
     """Assigns RBLN blocks to requests and tracks which cached prefixes each one holds.
 
-    ``evict`` is called with vLLM block hashes whose KV no RBLN block holds any more.
+    ``evict`` is called with vLLM block hashes whose KV no RBLN block holds any more;
+    ``host`` is the node's host KV tier, if one is on.
     """
 
-    def __init__(self, layout: BlockLayout, evict: Callable[[list[Hashable]], None]) -> None:
+    def __init__(
+        self,
+        layout: BlockLayout,
+        evict: Callable[[list[Hashable]], None],
+        host: HostLookup | None = None,
+    ) -> None:
         self.layout = layout
         self._evict = evict
+        self._host = host
+        self._saves: list[HostSave] = []
+        self.loads: list[HostLoad] = []
         self._outers = [_Outer(i) for i in range(layout.num_outer)]
         self._owned: dict[str, list[int]] = {}  # request -> RBLN block per segment
         self._holders: dict[Hashable, set[int]] = {}  # hash -> RBLN blocks holding it
@@ -194,6 +247,7 @@ class OuterBlockManager:
         segments = self.layout.segments_for(max(end_tokens, 1))
         # First pass: which segments reuse a held prefix, and from which block.
         sources: list[tuple[int, int] | None] = []  # (block, blocks matched) per segment
+        tier: dict[int, tuple[int, int]] = {}  # segment -> (tier entry, blocks matched)
         start = hit_tokens
         for j in range(segments):
             target = list(hashes[j * k : min((j + 1) * k, hit_blocks)])
@@ -201,14 +255,21 @@ class OuterBlockManager:
                 sources.append(None)
                 continue
             holder, matched = self._best_holder(target, free_only=False)
-            if matched == 0:
+            hosted = self._host.segment_hit(target, j * self.layout.outer_size) if (
+                self._host is not None and matched < len(target)) else None  # fmt: skip
+            if hosted is not None and hosted.blocks > matched:  # the tier holds more
+                tier[j] = (hosted.entry, hosted.blocks)
+                holder, matched = NO_BLOCK, hosted.blocks
+                sources.append(None)
+            elif matched == 0:
                 sources.append(None)
                 start = min(start, j * self.layout.outer_size)
                 continue
-            free_holder, free_matched = self._best_holder(target, free_only=True)
-            if free_matched == matched:  # adopt rather than copy when it costs nothing
-                holder = free_holder
-            sources.append((holder, matched))
+            else:
+                free_holder, free_matched = self._best_holder(target, free_only=True)
+                if free_matched == matched:  # adopt rather than copy when it costs nothing
+                    holder = free_holder
+                sources.append((holder, matched))
             if matched < len(target):
                 start = min(start, j * self.layout.outer_size + matched * size)
         # Second pass: adopt free holders, then take fresh blocks (never a reserved one).
@@ -225,10 +286,21 @@ class OuterBlockManager:
                     src, matched = source
                     copies.append(KVCopy(src, index, matched * size))
                     self._set_chain(index, list(self._outers[src].chain[:matched]))
+                elif j in tier:
+                    entry, matched = tier[j]
+                    first = j * self.layout.outer_size
+                    self.loads.append(HostLoad(req_id, entry, index, first, matched * size))
+                    self._set_chain(index, list(hashes[j * k : j * k + matched]))
             owned.append(index)
         self._owned[req_id] = owned
         self.record(req_id, hashes, end_tokens)
         return copies, start
+
+    def take_host_work(self) -> tuple[list[HostSave], list[HostLoad]]:
+        """The host tier saves and loads planned since the last call (one step's)."""
+        saves, self._saves = self._saves, []
+        loads, self.loads = self.loads, []
+        return saves, loads
 
     def extend(self, req_id: str, hashes: Sequence[Hashable], end_tokens: int) -> None:
         """A running request computes up to ``end_tokens``: add blocks for new segments."""
@@ -262,6 +334,7 @@ class OuterBlockManager:
             return NO_BLOCK, 0
         outer = min(free, key=lambda o: (len(o.chain), o.last_used))
         if len(outer.chain) >= self.layout.per_outer:
+            self._spill(outer)
             self._set_chain(outer.index, outer.chain[: self.layout.per_outer - 1])
             return outer.index, self.layout.outer_size - tokens
         return outer.index, len(outer.chain) * self.layout.inner_size
@@ -281,9 +354,21 @@ class OuterBlockManager:
 
     def _take(self, index: int, req_id: str, segment: int, keep: int) -> None:
         outer = self._outers[index]
-        outer.owner, outer.segment, outer.last_used = req_id, segment, self._clock
         if keep < len(outer.chain):
+            self._spill(outer)  # before the new owner writes past what it keeps
             self._set_chain(index, outer.chain[:keep])
+        outer.owner, outer.segment, outer.last_used = req_id, segment, self._clock
+
+    def _spill(self, outer: _Outer) -> None:
+        """Plan saving a free block's cached chain to the host tier before it is lost
+        (unless the tier already holds it)."""
+        if self._host is None or not outer.chain or outer.owner is not None:
+            return
+        start = outer.segment * self.layout.outer_size
+        if self._host.holds(outer.chain, start):
+            return
+        tokens = len(outer.chain) * self.layout.inner_size
+        self._saves.append(HostSave(outer.index, start, tokens, tuple(outer.chain)))
 
     def _fresh(self, req_id: str, segment: int, reserved: set[int]) -> int:
         """A free block for a new segment: one with nothing cached, else the least recently

@@ -58,6 +58,7 @@ from rbln_ray.compile.artifact import CompiledArtifact
 from rbln_ray.families.registry import VISION
 from rbln_ray.families.vision_base import PromptEmbedder
 from rbln_ray.upstream import vllm_internals
+from rbln_ray.vllm_plugin.host_transfer import HostTransfer
 from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK, BlockLayout, KVCopy, KVStepPlan
 from rbln_ray.vllm_plugin.lora import LoRARows
 from rbln_ray.vllm_plugin.spec.policy import SpecStepInfo
@@ -81,6 +82,13 @@ class StepStats:
     prefix_recomputed_tokens: int = 0
     kv_copies: int = 0  # on-device KV block copies (prefix hits in another request's block)
     kv_copy_tokens: int = 0
+    # host KV tier (host_transfer): blocks saved before reuse, entries loaded for prefix hits
+    host_saves: int = 0
+    host_save_tokens: int = 0
+    host_loads: int = 0
+    host_load_tokens: int = 0
+    host_load_failures: int = 0  # entries gone or unreadable: those tokens were computed
+    host_seconds: float = 0.0
     decode_steps: int = 0
     decode_inputs_ahead: int = 0  # decode steps whose inputs were built ahead (decode_ahead)
     decode_rows: int = 0
@@ -280,6 +288,9 @@ class RBLNModelRunner:
         # before waiting for a previous pipeline rank's hidden states): the step loop hands the
         # previous step's output to the engine then, so that work overlaps the device.
         self.before_device: Callable[[], None] | None = None
+        # The node's host KV tier, when vLLM's kv_transfer_config switches it on (the worker
+        # sets it up: rbln_ray.vllm_plugin.host_transfer).
+        self.host: HostTransfer | None = None
 
     @staticmethod
     def num_spec_tokens(vllm_config: VllmConfig) -> int:
@@ -604,6 +615,7 @@ class RBLNModelRunner:
         """
         if step is None or isinstance(step, ModelRunnerOutput):
             return step  # nothing scheduled
+        self._save_to_host(getattr(step.so, "rbln_plan", None))
         if not self.first_stage and receive is None:
             raise RuntimeError("pipeline rank without the previous stage's hidden states")
         if isinstance(step, _VerifyStep):
@@ -699,11 +711,39 @@ class RBLNModelRunner:
         info = SpecStepInfo("verify", step.bs, context, took)
         return step.so, torch.cat(pieces).float(), drafts, info
 
+    def _save_to_host(self, plan: KVStepPlan | None) -> None:
+        """The step's host tier saves, before anything of the step writes those blocks."""
+        if plan is None or not plan.host_saves or self.host is None:
+            return
+        for save in plan.host_saves:
+            if self.host.save(save):
+                self.stats.host_saves += 1
+                self.stats.host_save_tokens += save.tokens
+        self.stats.host_seconds = self.host.seconds
+
+    def _load_from_host(self, plan: KVStepPlan, req_id: str, start: int) -> int:
+        """Load ``req_id``'s host tier entries; where one fails, its tokens are computed:
+        the position the prefill must then start at."""
+        for load in plan.host_loads:
+            if load.req_id != req_id:
+                continue
+            if self.host is not None and self.host.load(load):
+                self.stats.host_loads += 1
+                self.stats.host_load_tokens += load.tokens
+            else:
+                self.stats.host_load_failures += 1
+                start = min(start, load.start)
+        if self.host is not None:
+            self.stats.host_seconds = self.host.seconds
+        return start
+
     def _prefill(self, step: _PrefillStep, receive: Receive) -> torch.Tensor:
         req_id, plan, tokens, end = step.req_id, step.plan, step.tokens, step.end
         start = plan.prefill_start.get(req_id, step.computed)
         if not self._copy_kv(plan.copies):
             start = 0
+        if plan.host_loads:
+            start = self._load_from_host(plan, req_id, start)
         chunk = self.artifact.prefill_chunk_size
         if start % chunk:
             raise RuntimeError(

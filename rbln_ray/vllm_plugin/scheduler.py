@@ -91,7 +91,7 @@ class _RBLNScheduling:
         self.step_tokens = sched.long_prefill_token_threshold or sched.max_num_batched_tokens
         self.options = engine_options(self.vllm_config)
         self.lora_gate = LoRAGate.for_artifact(artifact) if artifact.lora is not None else None
-        self.outer_blocks = OuterBlockManager(self.layout, self._evict_hashes)
+        self.outer_blocks = OuterBlockManager(self.layout, self._evict_hashes, self._host_tier())
         # Sliding-window layers, per-sequence state rows: one pinned cache slot per running
         # request (kv_slots).
         pinned = artifact.uses_local_cache or artifact.state_slots
@@ -123,6 +123,22 @@ class _RBLNScheduling:
                 probe_steps=self.options.spec_probe_steps,
                 draft_model=spec.method == "draft_model",
             )
+
+    def _host_tier(self) -> Any:
+        """The node's host KV tier when vLLM's connector is the RBLN host tier's (the
+        connector answers vLLM's external-hit queries, the block plan moves the KV)."""
+        from rbln_ray.vllm_plugin.host_kv_connector import RBLNHostKVConnector
+
+        connector = self.connector
+        if connector is None:
+            return None
+        if not isinstance(connector, RBLNHostKVConnector):
+            raise ValueError(
+                f"kv_transfer_config.kv_connector={type(connector).__name__}: the RBLN "
+                "platform serves RBLNHostKVConnector only (its KV lives in the compiled runtime)"
+            )
+        connector.set_layout(self.layout.outer_size, self.layout.per_outer)
+        return connector.tier
 
     # ------------------------------------------------------------------ step choice
     def _prefill_can_start(self) -> bool:
@@ -382,6 +398,7 @@ class _RBLNScheduling:
             plan.scratch_block, plan.scratch_position = manager.scratch(tokens)
             if self.slots is not None:
                 plan.scratch_slot = self.slots.scratch()
+        plan.host_saves, plan.host_loads = manager.take_host_work()
         manager.flush_evictions()
         return plan
 

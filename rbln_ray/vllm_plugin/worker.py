@@ -23,6 +23,8 @@ from rbln_ray.common import envs, framing
 from rbln_ray.compile.artifact import CompiledArtifact
 from rbln_ray.emulator import is_emulated
 from rbln_ray.vllm_plugin.device_metrics import DeviceMetrics
+from rbln_ray.vllm_plugin.host_kv_connector import open_tier
+from rbln_ray.vllm_plugin.host_transfer import HostTransfer, kv_layout
 from rbln_ray.vllm_plugin.loader import load_compiled_model
 from rbln_ray.vllm_plugin.lora import CompiledLoRAWorker
 from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner, Speculator
@@ -75,6 +77,22 @@ class RBLNWorker(CompiledLoRAWorker, WorkerBase):
         self.model_runner = RBLNModelRunner(
             self.vllm_config, self.artifact, model, self.layout, speculator=speculator
         )
+        self.model_runner.host = self._host_transfer(model)
+
+    def _host_transfer(self, model: Any) -> HostTransfer | None:
+        """The node's host KV tier, when the engine's kv_transfer_config switches it on
+        (:mod:`rbln_ray.vllm_plugin.host_kv_connector`)."""
+        tier = open_tier(self.vllm_config)
+        if tier is None:
+            return None
+        runtime = model.prefill_decoder.runtime  # shares its KV buffers with the decoders
+        hf_config = self.vllm_config.model_config.hf_text_config
+        return HostTransfer(runtime, kv_layout(runtime, self.artifact, hf_config), tier)
+
+    def get_kv_connector_handshake_metadata(self) -> dict | None:
+        """vLLM's engine asks every worker (collective_rpc) when a KV connector is on; the
+        host tier needs no handshake (its data is on the node, found by key)."""
+        return None
 
     def _load_speculator(self) -> Speculator:
         """Speculative decoding: the artifact's verify runtimes (right after the model: they

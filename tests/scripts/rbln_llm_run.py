@@ -4,7 +4,7 @@ Tests run vLLM in a subprocess: vLLM resolves its platform once per process, and
 heavy. Input (argv[1], JSON): ``{"model": dir, "llm_kwargs": {...}, "requests": [{"prompt":
 str | "prompt_token_ids": [...], "params": {SamplingParams fields; structured_outputs as a
 dict}, "images": [tests.vision.image_spec, ...], "videos": [tests.vision.video_spec, ...],
-"lora": {"name", "id", "path"} (a LoRARequest)}],
+"lora": {"name", "id", "path"} (a LoRARequest), "cache_salt": str}],
 "passes": N (default 1: run the requests N times, one ``generate`` call each), "rpc":
 [method, ...], "metrics": [prefix, ...] (vLLM's metrics whose names start so, summed over
 labels; start the engine with ``"disable_log_stats": false``), "ray_local": {ray.init
@@ -87,6 +87,8 @@ def run(llm, spec: dict) -> dict:
             prompt = {"prompt": req["prompt"]}
         else:
             prompt = {"prompt_token_ids": req["prompt_token_ids"]}
+        if req.get("cache_salt"):  # vLLM keeps KV of different salts apart
+            prompt["cache_salt"] = req["cache_salt"]
         if req.get("images") or req.get("videos"):  # tests/vision.py's deterministic media
             sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
             from tests.vision import make_image, make_video

@@ -1,0 +1,156 @@
+"""``RBLNHostKVConnector``: the host KV tier (:mod:`rbln_ray.vllm_plugin.host_tier`) as a vLLM
+KV connector, switched on the way GPU users switch on CPU offloading::
+
+    LLM(model=DIR, kv_transfer_config={"kv_connector": "RBLNHostKVConnector",
+                                       "kv_role": "kv_both",
+                                       "kv_connector_extra_config": {"host_gib": 64}})
+    vllm serve DIR --kv-transfer-config '{"kv_connector": "RBLNHostKVConnector", ...}'
+
+(the Serve config's ``engine_kwargs`` take the same dict). The platform plugin registers the
+name with vLLM's ``KVConnectorFactory`` (:func:`register`).
+
+How the work divides, and why not vLLM's worker-side connector hooks: vLLM's scheduler asks
+the connector how many tokens past its own prefix cache a waiting request can load
+(:meth:`get_num_new_matched_tokens`: the longest run of the request's vLLM block hashes the
+tier holds, segment by segment, as the RBLN block plan can place them) and counts them as
+computed, in its prefix-cache metrics as external hits (``vllm:external_prefix_cache_*``).
+Where those tokens go on the device, and which device blocks must be saved before they are
+reused, only the RBLN block plan knows (:class:`~rbln_ray.vllm_plugin.kv_blocks.
+OuterBlockManager`); the step's saves and loads travel to the workers in that plan, and the
+model runner moves them through Rebellions' runtime transfers (``_fetch_kv_cache`` /
+``_update_kv_cache``, :mod:`rbln_ray.vllm_plugin.host_transfer`). vLLM's per-layer worker
+hooks (``start_load_kv``, ``save_kv_layer``) address vLLM-owned KV tensors; on RBLN the KV
+lives inside the compiled runtime, so they have nothing to do here.
+
+Settings (``kv_connector_extra_config``): ``host_gib`` (the tier's size on the node, GiB;
+default 4), ``root`` (a tmpfs directory; the Serve app names one per Ray node).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Hashable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from rbln_ray.vllm_plugin.host_tier import DEFAULT_ROOT, HostKVTier, model_key
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR = "RBLNHostKVConnector"
+DEFAULT_HOST_GIB = 4.0
+
+
+def register() -> None:
+    """Make ``kv_connector: RBLNHostKVConnector`` known to vLLM (its public factory)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    with contextlib.suppress(ValueError):  # already registered (the plugin loads per process)
+        KVConnectorFactory.register_connector(CONNECTOR, __name__, "RBLNHostKVConnector")
+
+
+def tier_settings(vllm_config: VllmConfig) -> tuple[Path, int] | None:
+    """(root, capacity in bytes) of the tier the config switches on, or None."""
+    kv = vllm_config.kv_transfer_config
+    if kv is None or kv.kv_connector != CONNECTOR:
+        return None
+    extra = kv.kv_connector_extra_config or {}
+    gib = float(extra.get("host_gib", DEFAULT_HOST_GIB))
+    if gib <= 0:
+        raise ValueError(f"{CONNECTOR}: host_gib must be positive, not {gib}")
+    return Path(extra.get("root") or DEFAULT_ROOT), int(gib * (1 << 30))
+
+
+def open_tier(vllm_config: VllmConfig) -> HostKVTier | None:
+    """The node's tier for this engine's model, if the config switches it on."""
+    settings = tier_settings(vllm_config)
+    if settings is None:
+        return None
+    from rbln_ray.vllm_plugin.platform import compiled_artifact
+
+    root, capacity = settings
+    artifact = compiled_artifact(vllm_config)
+    return HostKVTier(root, capacity, model_key(artifact.kv_identity()))
+
+
+class RBLNHostKVMetadata(KVConnectorMetadata):
+    """Nothing per step: the step's saves and loads travel in the RBLN block plan."""
+
+
+class RBLNHostKVConnector(KVConnectorBase_V1):
+    """vLLM KV connector of the host KV tier (module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.tier = open_tier(vllm_config) if role == KVConnectorRole.SCHEDULER else None
+        self.block_size = vllm_config.cache_config.block_size
+        self._per_outer = 1
+        self._outer_size = self.block_size
+
+    def set_layout(self, outer_size: int, per_outer: int) -> None:
+        """The RBLN block plan's sizes (the scheduler sets them: loads fill whole segments)."""
+        self._outer_size, self._per_outer = outer_size, per_outer
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        if self.tier is None:
+            return 0, False
+        held = self.held_blocks(request.block_hashes, num_computed_tokens // self.block_size)
+        tokens = held * self.block_size
+        # vLLM computes at least the last prompt token itself
+        while tokens and num_computed_tokens + tokens >= request.num_tokens:
+            tokens -= self.block_size
+        return max(0, tokens), False
+
+    def held_blocks(self, hashes: Sequence[Hashable], first: int) -> int:
+        """vLLM blocks past the first ``first`` the tier can place, segment by segment (a
+        segment loads from one entry, from its start)."""
+        k, covered = self._per_outer, first
+        while covered < len(hashes):
+            j = covered // k
+            segment = hashes[j * k : min((j + 1) * k, len(hashes))]
+            hit = self.tier.segment_hit(segment, j * self._outer_size) if self.tier else None
+            if hit is None or j * k + hit.blocks <= covered:
+                break
+            covered = j * k + hit.blocks
+            if hit.blocks < len(segment):
+                break
+        return covered - first
+
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int):
+        return None
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return RBLNHostKVMetadata()
+
+    def shutdown(self) -> None:
+        if self.tier is not None:
+            self.tier.close()
+
+    # ------------------------------------------------------------------ worker side
+    # The RBLN model runner moves KV from the step's block plan (module docstring).
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any):
+        return None
+
+    def wait_for_save(self) -> None:
+        return None

@@ -1,0 +1,67 @@
+"""The host KV tier (``kv_transfer_config: RBLNHostKVConnector``) through ``vllm.LLM``, token-exact
+against transformers: prompts whose prefixes the device had to drop come back from host memory
+instead of being computed again; prefixes under two ``cache_salt`` values never share."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.helpers import compiled_model, greedy_request
+from tests.vllm_plugin.test_prefix_caching import run_exact
+
+pytestmark = pytest.mark.slow
+
+
+def tier_kwargs(root) -> dict:
+    return {"disable_log_stats": False,  # vLLM's prefix-cache counters
+            "kv_transfer_config": {"kv_connector": "RBLNHostKVConnector", "kv_role": "kv_both",
+                                   "kv_connector_extra_config": {"host_gib": 0.25,
+                                                                 "root": str(root)}}}  # fmt: skip
+
+
+def test_prefixes_the_device_dropped_come_back_from_the_host(tmp_path) -> None:
+    """12 distinct 300-token prefixes, then each again (newest first), on 8 RBLN blocks
+    (flash): without the tier the oldest prefixes are computed again (the device overwrote
+    them); with it every second-round prompt finds its prefix, on the device or loaded from
+    the host, and every output equals transformers'. Then the same prompt under two
+    ``cache_salt`` values: the second salt finds nothing of the first."""
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(1, 4096) for _ in range(300)] for _ in range(12)]
+    prompts = [p + [rng.randrange(1, 4096) for _ in range(9)] for p in prefixes]
+    prompts += [p + [rng.randrange(1, 4096) for _ in range(13)] for p in reversed(prefixes)]
+    model = compiled_model("llama", attn_impl="flash_attn")
+    result = run_exact(model, prompts, [6] * len(prompts), llm_kwargs=tier_kwargs(tmp_path),
+                       metrics=["vllm:external_prefix_cache", "vllm:prefix_cache"])  # fmt: skip
+    stats = result["stats"]
+    assert stats["host_saves"] > 0 and stats["host_loads"] > 0
+    assert stats["host_load_failures"] == 0 and stats["prefix_recomputed_tokens"] == 0
+    # every second-round prompt reused its whole prefix (2 full 128-token blocks of 300)
+    assert stats["prefix_reused_tokens"] == 12 * 256
+    assert stats["host_load_tokens"] == result["metrics"]["vllm:external_prefix_cache_hits"]
+    assert result["metrics"]["vllm:external_prefix_cache_hits"] > 0
+
+
+def test_two_cache_salts_never_share_a_tier_entry(tmp_path) -> None:
+    """A prompt under salt ``x``, pushed off the device by twelve other prefixes, comes back
+    from the host for salt ``x``; the same prompt under salt ``y`` finds nothing (vLLM's
+    block hashes fold the salt in, and the tier is keyed by them). Outputs equal
+    transformers'."""
+    rng = random.Random(8)
+    shared = [rng.randrange(1, 4096) for _ in range(300)]
+    # more than the 8 RBLN blocks, and the salted prompts well after the eviction (the tier
+    # has an entry once a worker step saved it: the next step's scheduling may not see it)
+    fillers = [[rng.randrange(1, 4096) for _ in range(300)] for _ in range(12)]
+    prompts = [shared + [7], *fillers, shared + [8, 9], shared + [10, 11]]
+    salts = ["x"] + [None] * 12 + ["x", "y"]
+    requests = [
+        {**greedy_request(p, 6), **({"cache_salt": s} if s else {})}
+        for p, s in zip(prompts, salts, strict=True)
+    ]
+    model = compiled_model("llama", attn_impl="flash_attn")
+    result = run_exact(model, prompts, [6] * len(prompts), requests=requests,
+                       llm_kwargs=tier_kwargs(tmp_path))  # fmt: skip
+    stats = result["stats"]
+    assert stats["host_loads"] == 1 and stats["host_load_tokens"] == 256  # salt x's prefix
+    assert stats["prefix_reused_tokens"] == 256  # salt y reused nothing
