@@ -17,6 +17,12 @@ one fault, the kinds in turn:
   ``replacement_raylets_died``);
 * ``proxy_kill``: SIGKILL Serve's HTTP proxy (clients on it lose their connections).
 
+With ``--adversaries`` the soak injects no faults; instead, after ``--baseline-seconds`` of
+ordinary load alone, adversarial clients join for ``--seconds`` (:mod:`benchmarks.adversaries`:
+template bombs, stalled request bodies, over-limit fan-out on every route) against the
+cache-aware app, and the ordinary requests' outcomes and latency are compared between the
+two phases (goal: none fails, p99 within 2 x the baseline's).
+
 Every request must end with exactly one terminal outcome, each counted: ``ok`` (a 200 with
 every token, or a stream ending in ``[DONE]`` without an error event), ``error`` (an HTTP error
 with a body, or a stream's error event), ``connection`` (the connection dropped: only a
@@ -25,7 +31,7 @@ seconds: must be 0). After each fault the seconds until every replica runs again
 request succeeds ("capacity back") are recorded. JSON + PNG under benchmarks/results; the
 figures go to RELIABILITY.md. Not in CI (20 minutes by default); run it alone:
 
-    python -m benchmarks.chaos_soak [--seconds 1200] [--quick]
+    python -m benchmarks.chaos_soak [--seconds 1200] [--quick] [--adversaries]
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
+from benchmarks.adversaries import KINDS, Adversaries
 
 APP = "rbln-ray"
 MODEL = "demo"  # the name common.deploy_serve_app gives the model
@@ -297,9 +304,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--request-deadline", type=float, default=240)
     p.add_argument("--node-back-after", type=float, default=20)
+    p.add_argument(
+        "--adversaries",
+        action="store_true",
+        help="no faults: ordinary load alone, then with adversarial clients",
+    )
+    p.add_argument(
+        "--baseline-seconds",
+        type=float,
+        default=300,
+        help="--adversaries: ordinary load alone for this long first",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.seconds, args.fault_every = 360, 50
+        args.baseline_seconds = min(args.baseline_seconds, 120)
+    if args.adversaries:
+        args.fault_every = 0  # the phases compare load with and without attackers only
 
     from tests.helpers import compiled_model  # the tiny Llama, compiled on the emulator
 
@@ -330,7 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         port = common.free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        url = common.deploy_serve_app(compiled, args.replicas, port, placement_strategy="SPREAD")
+        routing = {"routing": "cache_aware"} if args.adversaries else {}
+        url = common.deploy_serve_app(
+            compiled, args.replicas, port, app_extra=routing, placement_strategy="SPREAD"
+        )
+        attack = Adversaries(url, MODEL) if args.adversaries else None
+        health: list[dict[str, Any]] = []
         load = threading.Thread(
             target=lambda: asyncio.run(
                 clients(url, args.concurrency, args.request_deadline, stop, results)
@@ -340,27 +366,36 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         load.start()
         next_fault = t0 + args.fault_every
-        with tqdm(total=int(args.seconds), desc="chaos soak", unit="s") as bar:
-            while (now := time.monotonic()) < t0 + args.seconds:
+        baseline = args.baseline_seconds if attack else 0.0
+        total = baseline + args.seconds
+        with tqdm(total=int(total), desc="chaos soak", unit="s") as bar:
+            while (now := time.monotonic()) < t0 + total:
                 bar.n = int(now - t0)
                 bar.set_postfix(requests=len(results), faults=len(faults))
                 bar.refresh()
+                if attack and attack.started_at is None and now >= t0 + baseline:
+                    attack.start()
+                if attack and int(now - t0) % 10 == 0:
+                    health.append({"t_s": now - t0, "status": health_status(url)})
                 chaos.replace_nodes(t0)
                 open_faults = [f for f in faults if f["back_s"] is None]
                 if open_faults and capacity_back(url, args.replicas):
                     for f in open_faults:
                         f["back_s"] = time.monotonic() - t0 - f["at_s"]
-                if now >= next_fault and not open_faults:
+                if args.fault_every and now >= next_fault and not open_faults:
                     fault = chaos.inject()
                     if fault is not None:
                         faults.append({**fault, "at_s": now - t0, "back_s": None})
                     next_fault = now + args.fault_every
                 time.sleep(1.0)  # the pacing of this control loop (faults, recovery checks)
         stop.set()
+        attacked = attack.stop() if attack else {}
         load.join(timeout=args.request_deadline + 60)
         elapsed = time.monotonic() - t0
     finally:
         stop.set()
+        if attack and attack.started_at is not None and not attacked:
+            attack.stop()
         chaos.resume_stopped()
         serve.shutdown()
         ray.shutdown()
@@ -382,17 +417,71 @@ def main(argv: list[str] | None = None) -> int:
         "error_examples": [r["detail"] for r in results if r["outcome"] != "ok"][:30],
         "latency_s": common.summary([r["end"] - r["start"] for r in results]),
     }
-    common.save("chaos_soak", data, args.quick)
-    plot(results, faults, t0, args.quick)
+    if attack:
+        data["adversaries"] = adversary_summary(results, t0, attack, attacked, health)
+    name = "chaos_soak_adversaries" if attack else "chaos_soak"
+    common.save(name, data, args.quick)
+    plot(results, faults, t0, args.quick, name, attack.started_at - t0 if attack else None)
     print(
         f"chaos soak: {len(results)} requests in {elapsed:.0f} s: {json.dumps(outcomes)}; "
         f"{len(faults)} faults {data['faults_by_kind']}; capacity back after "
         f"{[round(f['back_s'] or -1) for f in faults]} s"
     )
+    if attack:
+        print(f"adversaries: {json.dumps(data['adversaries'], default=str)[:2000]}")
+        ordinary = data["adversaries"]["attack"]
+        return 0 if outcomes["hung"] == 0 and ordinary["failed"] == 0 else 1
     return 0 if outcomes["hung"] == 0 else 1
 
 
-def plot(results: list[dict], faults: list[dict], t0: float, quick: bool) -> Path:
+def health_status(url: str) -> int | str:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=10).status_code
+    except httpx.HTTPError as exc:
+        return type(exc).__name__
+
+
+def adversary_summary(
+    results: list[dict], t0: float, attack: Adversaries, counts: dict, health: list[dict]
+) -> dict[str, Any]:
+    """The ordinary requests of each phase (outcomes, latency), the p99 ratio, what the
+    attackers got, and /health during the soak."""
+    start = attack.started_at
+    during = [start is not None and r["start"] >= start for r in results]
+    phases = {
+        "baseline": [r for r, d in zip(results, during, strict=True) if not d],
+        "attack": [r for r, d in zip(results, during, strict=True) if d],
+    }
+    out: dict[str, Any] = {}
+    for phase, rows in phases.items():
+        latency = common.summary([r["end"] - r["start"] for r in rows])
+        out[phase] = {
+            "requests": len(rows),
+            "failed": sum(r["outcome"] != "ok" for r in rows),
+            "latency_s": latency,
+            "seconds": (
+                max((r["end"] for r in rows), default=t0)
+                - min((r["start"] for r in rows), default=t0)
+            ),  # fmt: skip
+        }
+    base, hit = out["baseline"]["latency_s"]["p99"], out["attack"]["latency_s"]["p99"]
+    out["p99_ratio"] = hit / base if base and hit else None
+    out["attackers"] = {kind: {"source": src, "loops": n, "outcomes": counts.get(kind, {})}
+                        for kind, (src, n) in KINDS.items()}  # fmt: skip
+    out["health"] = health
+    return out
+
+
+def plot(
+    results: list[dict],
+    faults: list[dict],
+    t0: float,
+    quick: bool,
+    name: str = "chaos_soak",
+    attack_at: float | None = None,
+) -> Path:
     plt = common.pyplot()
     bucket = 10.0
     n = int(max((r["end"] - t0 for r in results), default=0) // bucket) + 1
@@ -409,11 +498,19 @@ def plot(results: list[dict], faults: list[dict], t0: float, quick: bool) -> Pat
     for f in faults:
         ax.axvline(f["at_s"], color="black", linestyle="--", linewidth=0.8)
         ax.text(f["at_s"], max(bottom or [1]), f["kind"], rotation=90, fontsize=7, va="top")
+    if attack_at is not None:
+        ax.axvline(attack_at, color="tab:red", linewidth=1.5)
+        ax.text(attack_at, max(bottom or [1]), " adversaries join", color="tab:red", va="top")
+        ax2 = ax.twinx()
+        done = sorted(results, key=lambda r: r["end"])
+        ax2.plot([r["end"] - t0 for r in done], [r["end"] - r["start"] for r in done], ".",
+                 markersize=2, color="black", alpha=0.4)  # fmt: skip
+        ax2.set_ylabel("ordinary request latency, s (dots)")
     ax.set_xlabel("seconds (dashed: a fault)")
     ax.set_ylabel(f"requests ended per {bucket:g} s")
     ax.legend(loc="lower right")
     ax.set_title("Chaos soak: outcomes over time")
-    path = common.plot_path("chaos_soak", quick)
+    path = common.plot_path(name, quick)
     fig.tight_layout()
     fig.savefig(path)
     return path

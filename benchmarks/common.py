@@ -233,14 +233,22 @@ def vocab_of(model_dir: Path) -> int:
     return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
 
 
-def deploy_serve_app(compiled: Path, num_replicas: int, port: int, **model_extra: Any) -> str:
-    """Deploy the rbln-ray Serve app (one model "demo") on the connected Ray cluster."""
+def deploy_serve_app(
+    compiled: Path,
+    num_replicas: int,
+    port: int,
+    app_extra: dict[str, Any] | None = None,
+    **model_extra: Any,
+) -> str:
+    """Deploy the rbln-ray Serve app (one model "demo") on the connected Ray cluster
+    (``app_extra``: app-level config, e.g. ``routing``)."""
     from ray import serve
 
     from rbln_ray.serve import APP_NAME, build_app, load_config
 
     config = load_config(
         {
+            **(app_extra or {}),
             "port": port,
             "models": [
                 {

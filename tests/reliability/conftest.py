@@ -17,6 +17,7 @@ STEP_DEADLINE_S = 20
 # A token id whose prefill raises in the worker (RBLN_RAY_TEST_STEP_FAULT): the poison
 # request of the fault tests; no other prompt of this package holds it.
 POISON_TOKEN = 4093
+BODY_DEADLINE_S = 5  # limits.body_read_timeout_s of the app
 
 
 @pytest.fixture(scope="package")
@@ -25,7 +26,8 @@ def tiny_app() -> Iterator[RunningApp]:
     SERIAL_GROUPS); each test leaves it serving with both replicas up."""
     config = {
         "models": [{"name": MODEL, "model": str(compiled_model("llama")), "num_replicas": 2}],
-        "limits": {"max_n": 4, "max_tokens": 1000},
+        # a short read deadline: the stalled-body test waits for its 408
+        "limits": {"max_n": 4, "max_tokens": 1000, "body_read_timeout_s": BODY_DEADLINE_S},
     }
     with pytest.MonkeyPatch.context() as mp:
         # read by the engine cores the replicas start (they inherit Ray's worker environment)

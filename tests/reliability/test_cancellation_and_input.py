@@ -226,6 +226,42 @@ def test_over_limit_body_is_rejected_without_reading_it(tiny_app: RunningApp) ->
     assert ok.status_code == 200
 
 
+def test_stalled_bodies_get_a_408_from_the_proxy(tiny_app: RunningApp) -> None:
+    """Twelve connections declare a 500 kB body, send 64 KiB of it and stop (RELIABILITY.md's
+    read deadline): each gets a 408 once limits.body_read_timeout_s has passed, from Serve's
+    proxy (the guard: before any handler or buffer of the app holds the body), and the app
+    still serves. Before the guard had a deadline they were held open indefinitely."""
+    import socket
+
+    from tests.reliability.conftest import BODY_DEADLINE_S
+
+    host, port = tiny_app.url.removeprefix("http://").split(":")
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+            "application/json\r\nContent-Length: 500000\r\n\r\n").encode()  # fmt: skip
+    stalled = []
+    for _ in range(12):
+        sock = socket.create_connection((host, int(port)), timeout=30 * BODY_DEADLINE_S)
+        sock.sendall(head + b"{" + b" " * (64 * 1024 - 1))
+        stalled.append(sock)
+    def answer(sock: socket.socket) -> bytes:
+        """Everything the server sends until it closes (it blocks until the server acts)."""
+        got = b""
+        while chunk := sock.recv(4096):
+            got += chunk
+        return got
+
+    try:
+        answers = [answer(sock) for sock in stalled]
+    finally:
+        for sock in stalled:
+            sock.close()
+    for answer in answers:
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"limits.body_read_timeout_s" in answer
+    ok = httpx.post(f"{tiny_app.url}/v1/completions", json=VALID, timeout=60)
+    assert ok.status_code == 200
+
+
 @pytest.mark.parametrize("max_tokens", [600, 5000])
 def test_max_tokens_over_context_or_cap_gets_one_message(
     tiny_app: RunningApp, max_tokens: int

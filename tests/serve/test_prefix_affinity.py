@@ -141,6 +141,28 @@ def replica_reports() -> list[dict]:
     return list(found.values())
 
 
+def test_template_bombs_are_refused_and_never_stall_the_app(affinity_app: RunningApp) -> None:
+    """Eight chat requests whose chat_template_kwargs carry a template that loops 10^10
+    times (they once stalled this app: the router rendered them in the ingress) each get
+    vLLM's 400, and an ordinary chat request right after them is answered. Before the fix
+    the ingress rendered the templates and the ordinary request timed out."""
+    bomb = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}x"
+    url = f"{affinity_app.url}/v1/chat/completions"
+    messages = [{"role": "user", "content": "def main():"}]
+    bombs = [{"model": "demo", "messages": messages, "max_tokens": 4,
+              "chat_template_kwargs": {"chat_template": bomb}}] * 8  # fmt: skip
+
+    def send(body: dict) -> httpx.Response:
+        return httpx.post(url, json=body, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(send, bombs))
+    assert [r.status_code for r in answers] == [400] * 8, [r.text[:200] for r in answers]
+    assert all("chat_template" in r.json()["error"]["message"] for r in answers)
+    ordinary = send({"model": "demo", "messages": messages, "max_tokens": 4})
+    assert ordinary.status_code == 200, ordinary.text
+
+
 def test_a_session_sticks_moves_when_full_and_survives_its_replica(
     affinity_app: RunningApp,
 ) -> None:

@@ -25,7 +25,6 @@ from rbln_ray.serve.http_call import (
 )
 from rbln_ray.serve.routes import (
     Kind,
-    classify,
     markdown,
     table,
     text,
@@ -37,6 +36,8 @@ GOLDEN = Path(__file__).parent / "data" / "vllm_routes.txt"
 ROOT = Path(__file__).resolve().parents[2]
 JSON = ((b"content-type", b"application/json"),)
 KEY = "sekrit"
+LIMITS = RequestLimits(max_request_bytes=8192, max_n=2, max_tokens=50, max_prompts=4,
+                       max_sequences=6, body_read_timeout_s=2)  # fmt: skip
 
 
 # ------------------------------------------------------------------ the route table
@@ -247,9 +248,7 @@ def ingress_app(vllm_app):
 
     servers = {"m": FakeServer("m", vllm_app), "other": FakeServer("other", vllm_app)}
     ingress = OpenAIIngress.__new__(OpenAIIngress)
-    limits = RequestLimits(max_request_bytes=8192, max_n=2, max_tokens=50, max_prompts=4,
-                           max_sequences=6, body_read_timeout_s=2)  # fmt: skip
-    ingress.configure(servers, KEY, limits, {"m": 100}, [], "app")
+    ingress.configure(servers, KEY, LIMITS, {"m": 100}, [], "app")
     return build_ingress_app(ingress), servers
 
 
@@ -484,119 +483,31 @@ def test_media_of_every_route_is_checked(ingress_app) -> None:
     assert len(servers["m"].calls) == before
 
 
-# Values for a route's required fields, so the over-limit field is the only thing wrong
-# (the first a shape's model accepts).
-MESSAGE = {"role": "user", "content": "x"}
-REQUIRED = {"messages": ([MESSAGE], [[MESSAGE]]), "input": ("x",), "prompt": ("x",),
-            "query": ("x",), "documents": (["x"],), "queries": (["x"],), "items": (["x"],),
-            "text_1": ("x",), "text_2": ("x",), "data_1": (["x"],), "data_2": (["x"],),
-            "data": ("x",), "tokens": ([1],), "model": ("m",), "max_tokens": (4,),
-            "texts": (["x"],)}  # fmt: skip
-
-
-def required_body(model, required: list[str]) -> dict:
-    """A body of ``model`` with each required field set to the first value it accepts."""
-    from pydantic import ValidationError
-
-    body: dict = {}
-    for field in required:
-        for value in REQUIRED[field]:
-            try:
-                model.model_validate({**body, field: value})
-            except ValidationError as exc:
-                if any(e["loc"][:1] == (field,) for e in exc.errors()):
-                    continue
-            except Exception as exc:  # noqa: BLE001 - vLLM's own (VLLMValidationError)
-                if getattr(exc, "parameter", None) == field:
-                    continue
-            body[field] = value
-            break
-    return body
-
-
-def over_limit(path: str, field: str) -> tuple[object, str] | None:
-    """An over-limit value of ``field`` for the ingress_app's limits, and the refusal's words;
-    None for a field no limit applies to on this route."""
-    from rbln_ray.serve.ingress import (
-        CHAT_ROUTES,
-        CONVERSATION_ROUTES,
-        FAN_OUT_FIELDS,
-        PROMPT_FIELDS,
-        TOKEN_FIELDS,
-    )
-
-    if field in FAN_OUT_FIELDS:
-        return 3, f"{field}=3 exceeds the limit of 2"
-    if field in TOKEN_FIELDS:
-        return 60, "max_tokens=60 exceeds the limit of 50"
-    if field in PROMPT_FIELDS and not path.startswith((*CONVERSATION_ROUTES, *CHAT_ROUTES)):
-        return ["a"] * 5, "max_prompts"
-    return None
-
-
 def test_every_limit_holds_on_every_route_of_vllms_table(ingress_app) -> None:
-    """Generated from vLLM's route table, so a route vLLM adds cannot skip a limit: for every
-    route forwarded by model, every shape of its body (each model of a union) and every
-    limited field that shape has, an over-limit value is refused with a 400 naming the limit
-    (or vLLM's own validation naming the field) before any replica, JSON bodies and multipart
-    uploads alike. A required field this test
-    cannot fill fails it, naming the field."""
-    from rbln_ray.serve.ingress import LIMITED_FIELDS
-    from rbln_ray.serve.routes import request_models, takes_form
+    """Generated from vLLM's route table (tests/route_limits.py), so a route vLLM adds cannot
+    skip a limit: for every route forwarded by model, every shape of its body (each model of
+    a union) and every limited field that shape has, an over-limit value is refused with a
+    400 naming the limit (or vLLM's own validation naming the field) before any replica,
+    JSON bodies and multipart uploads alike."""
+    from tests.route_limits import limit_cases
 
     app, servers = ingress_app
     checked: list[tuple[str, str]] = []
-    for (path, method), route in vllm_routes().items():
-        if classify(path, method, route)[0] is not Kind.MODEL:
-            continue
-        for model in request_models(route):
-            fields = model.model_fields
-            limited = [
-                f for f, info in fields.items()
-                if f in LIMITED_FIELDS and over_limit(path, f) and fits(info, f)
-            ]  # fmt: skip
-            required = [f for f, info in fields.items() if info.is_required() and f != "file"]
-            # what some shapes need though no field alone is required
-            required += [f for f in ("prompt", "texts") if f in fields and f not in required]
-            missing = [f for f in required if f not in REQUIRED]
-            if not limited:
-                continue
-            assert not missing, (path, model.__name__, missing)
-            for field in limited:
-                value, needle = over_limit(path, field)
-                needed = [f for f in required if f != field]
-                body = required_body(model, needed) | {"model": "m", field: value}
-                before = len(servers["m"].calls)
-                send = form_post if takes_form(route) else post
-                r = send(app, path, body)
-                assert r.status_code == 400, (path, model.__name__, field, r.text)
-                # the app's limit, or vLLM's own validation refusing that field
-                named = needle in r.text or r.json().get("error", {}).get("param") == field
-                assert named, (path, model.__name__, field, r.text)
-                assert len(servers["m"].calls) == before
-                checked.append((path, field))
+    for case in limit_cases(LIMITS, "m"):
+        before = len(servers["m"].calls)
+        send = form_post if case.form else post
+        r = send(app, case.path, case.body)
+        where = (case.path, case.shape, case.field, r.text)
+        assert r.status_code == 400, where
+        # the app's limit, or vLLM's own validation refusing that field
+        named = case.needle in r.text or r.json().get("error", {}).get("param") == case.field
+        assert named, where
+        assert len(servers["m"].calls) == before
+        checked.append((case.path, case.field))
     routes = {p for p, _ in checked}
     assert {"/v1/audio/transcriptions", "/v1/audio/translations", "/v1/messages",
             "/v1/responses", "/v2/embed", "/v1/embeddings", "/v2/rerank",
             "/v1/chat/completions/batch"} <= routes, routes  # fmt: skip
-
-
-def fits(info, field: str) -> bool:
-    """Whether a field's type admits the over-limit value (a prompt field that takes one
-    string cannot carry several prompts: vLLM's own 400 refuses a list there)."""
-    import typing
-
-    from rbln_ray.serve.ingress import PROMPT_FIELDS
-
-    if field not in PROMPT_FIELDS:
-        return True
-
-    def origins(annotation):
-        yield typing.get_origin(annotation) or annotation
-        for arg in typing.get_args(annotation):
-            yield from origins(arg)
-
-    return list in set(origins(info.annotation))
 
 
 def form_post(app, path: str, fields: dict) -> httpx.Response:
