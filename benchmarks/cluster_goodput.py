@@ -8,7 +8,9 @@ rbln-ray), timing mode as ``--shape`` (default llama-3-8b), one after the other:
     ``make peer-env``, unmodified, its defaults: prefix caching on), one per device, behind
     HAProxy (Debian's, ``make setup``) balancing round robin, with a config of the
     benchmark's own on loopback ports;
-(c) the rbln-ray Serve app with ``routing: load_aware`` (Serve's default balancing).
+(c) the rbln-ray Serve app with ``routing: load_aware`` (Serve's default balancing);
+(t) (a) plus the host KV tier (``kv_transfer_config: RBLNHostKVConnector``, ``--host-gib`` per
+    node): the replicas of a raylet share its tier.
 
 (a) and (c) run a prompt's prefill chunks back to back, as (b)'s vllm-rbln does
 (``--decode-steps``: ``rbln_decode_steps_between_chunks``, 0 here; the engine's default, 1,
@@ -26,11 +28,21 @@ own TTFT <= ``--ttft-slo-s`` (2 s) and TPOT <= ``--tpot-slo-ms`` (150 ms) (vLLM'
 ``vllm bench serve --goodput`` definition; a request that failed, or was never sent because
 its conversation's earlier turn failed, misses the SLO).
 
+Every rate of every system starts from the same state: the rbln-ray app is deployed afresh
+(its replicas' device caches empty) and the host tiers emptied; vllm-rbln's prefix caches are
+reset (its ``/reset_prefix_cache``, vLLM's development route). The measured window of a rate
+starts once its TTFT has settled (:func:`settled_at`, at least ``--warmup`` seconds in); the
+plot shows TTFT over time with that start marked. A system's **SLO capacity** is the highest
+rate at which at least 90 % of its requests meet the SLO (DistServe's goodput), interpolated
+linearly between the two rates of its grid around 90 %.
+
 Goals (issue 35): at the highest rate where (b) meets the SLO for at least half its requests,
 goodput (a) >= 1.5 x (b) and TTFT p50 of (a) <= (b) / 3; and (a) >= (c) at every rate (requests
-meeting the SLO).
+meeting the SLO). Goals (issue 45): capacity (t) >= 1.5 x (a)'s and >= 2.5 x (b)'s; at (a)'s
+capacity (t) serves >= 95 % of prompt tokens from cache (either tier) with TTFT p50 <= half of
+(a)'s; no request fails.
 
-    python -m benchmarks.cluster_goodput [--quick] [--systems a,b,c] [--rates ...]
+    python -m benchmarks.cluster_goodput [--quick] [--systems a,b,t] [--rates-t 1,1.5,2 ...]
 """
 
 from __future__ import annotations
@@ -54,11 +66,16 @@ from benchmarks.sessions import TextSource, WorkloadSpec, build_workload, run_se
 
 GOAL_GOODPUT_RATIO = 1.5
 GOAL_TTFT_RATIO = 3.0
+CAPACITY_SLO = 0.9  # SLO capacity: the highest rate with this share of requests in SLO
+GOAL_TIER_OVER_A, GOAL_TIER_OVER_B = 1.5, 2.5
+GOAL_TIER_HIT, GOAL_TIER_TTFT = 0.95, 0.5
 SYSTEMS = {
     "a": "rbln-ray, cache-aware routing",
     "b": "vllm-rbln x N behind HAProxy (round robin)",
     "c": "rbln-ray, load-aware routing",
+    "t": "rbln-ray, cache-aware routing + host KV tier",
 }
+ROUTING = {"a": "cache_aware", "c": "load_aware", "t": "cache_aware"}
 MODEL = "demo"  # served model name on every system
 DEFAULT_TENANTS = DEFAULT_DOCS = 32
 
@@ -91,20 +108,25 @@ def compiled_model(args: argparse.Namespace) -> tuple[Path, Path]:
 
 
 # ------------------------------------------------------------------ prefix-cache counters
-HITS, QUERIES = "prefix_cache_hits_total", "prefix_cache_queries_total"
+# vLLM's counters, in this order: prefix-cache hits and queried prompt tokens on the device,
+# and hits of a KV connector (the host tier: vLLM counts them as "external").
+COUNTERS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries",
+            "vllm:external_prefix_cache_hits")  # fmt: skip
 
 
 def _parse(text: str, label: str | None) -> dict[str, list[float]]:
-    """{replica: [hits, queries]} from a Prometheus text page (vLLM's counters)."""
+    """{replica: [hits, queries, host hits]} from a Prometheus text page (vLLM's counters;
+    Ray's export prefixes their names with ``ray_`` and writes ``_`` for ``:``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    names = {c.replace(":", "_") + "_total": i for i, c in enumerate(COUNTERS)}
     out: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            for i, suffix in enumerate((HITS, QUERIES)):
-                if s.name.endswith(suffix) and "vllm" in s.name:
-                    key = s.labels.get(label, "?") if label else "server"
-                    out.setdefault(key, [0.0, 0.0])[i] += s.value
+            i = names.get(s.name.removeprefix("ray_"))
+            if i is not None:
+                key = s.labels.get(label, "?") if label else "server"
+                out.setdefault(key, [0.0, 0.0, 0.0])[i] += s.value
     return out
 
 
@@ -128,25 +150,30 @@ def server_counters(urls: list[str]) -> dict[str, list[float]]:
 
     return {
         f"server{i}": _parse(httpx.get(f"{u}/metrics", timeout=30).text, None).get(
-            "server", [0.0, 0.0]
+            "server", [0.0, 0.0, 0.0]
         )
         for i, u in enumerate(urls)
     }
 
 
 def hit_rates(before: dict, after: dict) -> dict[str, Any]:
-    """Prefix-cache hit rate (hit / queried prompt tokens) per replica queried between two
-    counter readings, and overall."""
+    """Share of queried prompt tokens served from cache (hits on the device or in the host
+    tier) per replica queried between two counter readings, and overall; ``host``: the
+    host tier's share."""
     per = {}
-    hits = queries = 0.0
-    for key, (h, q) in after.items():
-        h0, q0 = before.get(key, [0.0, 0.0])
-        dh, dq = h - h0, q - q0
+    hits = queries = host = 0.0
+    for key, (h, q, x) in after.items():
+        h0, q0, x0 = before.get(key, [0.0, 0.0, 0.0])
+        dh, dq, dx = h - h0, q - q0, x - x0
         if not dq:
             continue  # not queried in this run (Ray's export keeps replaced replicas' series)
-        hits, queries = hits + dh, queries + dq
-        per[key] = {"hit_rate": dh / dq, "queried_tokens": dq}
-    return {"per_replica": per, "overall": hits / queries if queries else None}
+        hits, queries, host = hits + dh + dx, queries + dq, host + dx
+        per[key] = {"hit_rate": (dh + dx) / dq, "host_rate": dx / dq, "queried_tokens": dq}
+    return {
+        "per_replica": per,
+        "overall": hits / queries if queries else None,
+        "host": host / queries if queries else None,
+    }
 
 
 # ------------------------------------------------------------------ the systems
@@ -183,20 +210,31 @@ def rbln_ray_cluster(args: argparse.Namespace) -> Iterator[int]:
         cluster.shutdown()
 
 
-def deploy(compiled: Path, routing: str, replicas: int, port: int, decode_steps: int) -> str:
-    """The Serve app on ``compiled``; ``decode_steps``: ``rbln_decode_steps_between_chunks``."""
+def deploy(compiled: Path, system: str, args: argparse.Namespace, port: int) -> str:
+    """The Serve app of ``system`` on ``compiled``, deployed afresh (replicas started anew:
+    their caches empty), with every node's host tier emptied."""
     from ray import serve
 
     from rbln_ray.serve import APP_NAME, build_app, load_config
+    from rbln_ray.vllm_plugin.host_tier import DEFAULT_ROOT, HostKVTier
 
-    options = {"rbln_decode_steps_between_chunks": decode_steps}
-    model = {
-        "name": MODEL,
-        "model": str(compiled),
-        "num_replicas": replicas,
-        "engine_kwargs": {"additional_config": options},
+    engine: dict[str, Any] = {
+        "additional_config": {"rbln_decode_steps_between_chunks": args.decode_steps}
     }
-    config = load_config({"port": port, "routing": routing, "models": [model]})
+    if system == "t":
+        engine["kv_transfer_config"] = {
+            "kv_connector": "RBLNHostKVConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"host_gib": args.host_gib},
+        }
+    model = {"name": MODEL, "model": str(compiled), "num_replicas": args.replicas,
+             "engine_kwargs": engine}  # fmt: skip
+    config = load_config({"port": port, "routing": ROUTING[system], "models": [model]})
+    with contextlib.suppress(Exception):  # none deployed yet
+        serve.delete(APP_NAME)
+    for root in DEFAULT_ROOT.glob("*"):  # every node's tier (they are named by node)
+        if (root / "index.sqlite").is_file():
+            HostKVTier(root, 1, "").clear()
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
@@ -263,6 +301,7 @@ def vllm_rbln_behind_haproxy(
     try:
         for i, port in enumerate(ports):
             env = peer_env(
+                VLLM_SERVER_DEV_MODE="1",  # /reset_prefix_cache between rates
                 RBLN_RAY_EMULATOR_MODE="timing",
                 RBLN_RAY_TIMING_SHAPE=args.shape,
                 RBLN_RAY_NODE_ID=f"goodput-{uuid.uuid4().hex[:8]}-{i}",  # its own ATOM
@@ -306,10 +345,17 @@ def vllm_rbln_behind_haproxy(
 
 # ------------------------------------------------------------------ one system, every rate
 def run_rates(
-    system: str, url: str, counters: Any, source: TextSource, args: argparse.Namespace
+    system: str,
+    fresh: Any,
+    counters: Any,
+    source: TextSource,
+    args: argparse.Namespace,
 ) -> dict[str, Any]:
+    """Every rate of ``system``'s grid, each from a fresh state (``fresh()`` resets the
+    system and returns its URL)."""
     out = {}
-    for i, rate in enumerate(args.rate_list):
+    for i, rate in enumerate(rates_of(system, args)):
+        url = fresh()
         spec = workload_spec(args, rate, seed=100 + i)
         sessions = build_workload(source, spec, tag=f"r{rate:g}")
         before = counters()
@@ -317,17 +363,60 @@ def run_rates(
             run_sessions(url, MODEL, sessions, args.duration, desc=f"({system}) {rate:g} req/s")
         )
         time.sleep(3)  # vLLM's counters reach Ray's export within its 1 s report interval
-        window = (args.warmup, args.duration)
-        res = summarise(sessions, window, args.ttft_slo_s, args.tpot_slo_ms / 1e3)
+        start = settled_at(sessions, args.warmup, args.duration)
+        res = summarise(sessions, (start, args.duration), args.ttft_slo_s, args.tpot_slo_ms / 1e3)
         res |= {
             "rate": rate,
             "sessions": len(sessions),
             "wall_s": wall,
+            "window_s": [start, args.duration],
+            "ttft_over_time": ttft_over_time(sessions, args.duration),
             "prefix_cache": hit_rates(before, counters()),
             "loadavg_after": os.getloadavg(),
         }
         out[f"{rate:g}"] = res
         _print(system, rate, res)
+    return out
+
+
+def rates_of(system: str, args: argparse.Namespace) -> list[float]:
+    given = getattr(args, f"rates_{system}", None) or args.rates
+    return [float(r) for r in given.split(",")]
+
+
+SETTLE_STEP_S, SETTLE_SLICE_S, SETTLE_TOLERANCE = 30.0, 60.0, 0.3
+
+
+def _median(values: list[float]) -> float | None:
+    return common.percentile(values, 50) if values else None
+
+
+def settled_at(sessions: list, warmup: float, duration: float) -> float:
+    """When a rate's TTFT has settled: the first time (from ``warmup`` on, in steps of
+    :data:`SETTLE_STEP_S`, at most half the run) whose next :data:`SETTLE_SLICE_S` seconds'
+    TTFT p50 is within :data:`SETTLE_TOLERANCE` of the p50 of everything after it."""
+    records = [r for s in sessions for r in s.records if not r.get("error")]
+
+    def ttft(lo: float, hi: float) -> float | None:
+        return _median([r["first"] - r["sent"] for r in records if lo <= r["sent"] < hi])
+
+    t = warmup
+    while t + SETTLE_STEP_S <= duration / 2:
+        part, rest = ttft(t, t + SETTLE_SLICE_S), ttft(t, duration)
+        if part is not None and rest and abs(part / rest - 1) <= SETTLE_TOLERANCE:
+            return t
+        t += SETTLE_STEP_S
+    return max(warmup, t)
+
+
+def ttft_over_time(sessions: list, duration: float, bucket: float = 15.0) -> list:
+    """(bucket start s, TTFT p50 ms, requests) over the whole run, for the plot."""
+    records = [r for s in sessions for r in s.records if not r.get("error")]
+    out = []
+    for i in range(int(duration // bucket)):
+        lo = i * bucket
+        part = [r["first"] - r["sent"] for r in records if lo <= r["sent"] < lo + bucket]
+        out.append([lo, (_median(part) or 0) * 1e3, len(part)])
     return out
 
 
@@ -358,8 +447,55 @@ def _print(system: str, rate: float, r: dict) -> None:
 
 
 # ------------------------------------------------------------------ goals, plot
+def capacity(per_rate: dict[str, dict]) -> float | None:
+    """The highest rate with at least CAPACITY_SLO of requests in SLO, interpolated between
+    the grid's last rate at or above it and the next rate below it (None: no rate is)."""
+    rates = sorted(per_rate, key=float)
+    share = {r: per_rate[r].get("slo_attainment") or 0.0 for r in rates}
+    ok = [r for r in rates if share[r] >= CAPACITY_SLO]
+    if not ok:
+        return None
+    top = ok[-1]
+    above = [r for r in rates if float(r) > float(top)]
+    if not above:
+        return float(top)
+    nxt = above[0]
+    x0, x1, y0, y1 = float(top), float(nxt), share[top], share[nxt]
+    return x0 + (x1 - x0) * (y0 - CAPACITY_SLO) / (y0 - y1) if y0 != y1 else x0
+
+
+def tier_goals(results: dict[str, dict]) -> dict[str, Any]:
+    """Issue 45's goals from the per-rate results of (a), (b) and (t)."""
+    caps = {k: capacity(v) for k, v in results.items()}
+    a, t = results.get("a"), results.get("t")
+    out: dict[str, Any] = {"capacity_req_per_s": caps}
+    ca, cb, ct = caps.get("a"), caps.get("b"), caps.get("t")
+    if ct and ca:
+        out["t_over_a"] = {"ratio": ct / ca, "goal": GOAL_TIER_OVER_A,
+                           "met": ct / ca >= GOAL_TIER_OVER_A}  # fmt: skip
+    if ct and cb:
+        out["t_over_b"] = {"ratio": ct / cb, "goal": GOAL_TIER_OVER_B,
+                           "met": ct / cb >= GOAL_TIER_OVER_B}  # fmt: skip
+    if a and t and ca:
+        # the grid rate of (a) nearest its capacity (both systems ran it)
+        near = min((r for r in a if r in t), key=lambda r: abs(float(r) - ca), default=None)
+        if near is not None:
+            hit = t[near]["prefix_cache"]["overall"] or 0.0
+            ratio = t[near]["ttft_ms"]["p50"] / a[near]["ttft_ms"]["p50"]
+            out["at_a_capacity"] = {
+                "rate": near, "t_hit_rate": hit, "hit_goal": GOAL_TIER_HIT,
+                "hit_met": hit >= GOAL_TIER_HIT, "ttft_p50_t_over_a": ratio,
+                "ttft_goal": GOAL_TIER_TTFT, "ttft_met": ratio <= GOAL_TIER_TTFT,
+            }  # fmt: skip
+    failed = {k: sum(r.get("failed", 0) for r in v.values()) for k, v in results.items()}
+    out["failed"] = {"per_system": failed, "met": not any(failed.values())}
+    return out
+
+
 def goals(results: dict[str, dict]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    if "t" in results:
+        out["host_tier"] = tier_goals(results)
     a, b, c = (results.get(k) for k in "abc")
     if a and b:
         ok = [r for r in b if (b[r].get("slo_attainment") or 0) >= 0.5 and r in a]
@@ -388,7 +524,7 @@ def goals(results: dict[str, dict]) -> dict[str, Any]:
 
 def plot(results: dict[str, dict], name: str, quick: bool) -> Path:
     plt = common.pyplot()
-    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
+    fig, axes = plt.subplots(1, 5, figsize=(24, 4.2))
     for key, per in results.items():
         rates = sorted(per, key=float)
         xs = [float(r) for r in rates]
@@ -399,12 +535,22 @@ def plot(results: dict[str, dict], name: str, quick: bool) -> Path:
         axes[2].plot(xs, [(d.get("ttft_ms") or {}).get("p50") for d in done], marker="o")
         hits = [d["prefix_cache"]["overall"] for d in done]
         axes[3].plot(xs, [100 * (h or 0) for h in hits], marker="o")
+        top = done[-1]  # the highest rate: TTFT over time, the measured window's start
+        series = top.get("ttft_over_time") or []
+        line = axes[4].plot([x for x, _, _ in series], [y for _, y, _ in series],
+                            label=f"({key}) {rates[-1]} req/s")  # fmt: skip
+        if top.get("window_s"):
+            axes[4].axvline(top["window_s"][0], linestyle=":", color=line[0].get_color())
     titles = ["goodput (req/s meeting SLO)", "SLO attainment (%)", "TTFT p50 (ms)",
-              "prefix-cache hit rate (%)"]  # fmt: skip
+              "prefix-cache hit rate (%)", "TTFT p50 over time, highest rate (ms)"]  # fmt: skip
     for ax, title in zip(axes, titles, strict=True):
         ax.set_xlabel("offered load (req/s)")
         ax.set_title(title)
+    axes[4].set_xlabel("seconds into the rate's run (dotted: measured window starts)")
+    axes[4].set_yscale("log")
+    axes[4].legend(fontsize=7)
     axes[1].axhline(50, linestyle=":", color="gray")
+    axes[1].axhline(100 * CAPACITY_SLO, linestyle="--", color="gray")
     axes[2].set_yscale("log")
     axes[0].legend(fontsize=7)
     fig.suptitle("cluster goodput, timing mode" + (" (quick)" if quick else ""))
@@ -419,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke: 2 replicas, 1 low rate, 45 s")
     p.add_argument("--systems", default="a,b,c")
     p.add_argument("--rates", default="1.0,1.25,1.375,1.4375,1.5", help="requests/s, comma list")
+    for key in SYSTEMS:  # a grid per system (default --rates)
+        p.add_argument(f"--rates-{key}", help=f"({key})'s rates, comma list")
+    p.add_argument("--host-gib", type=float, default=8.0, help="(t): host KV tier per node")
     p.add_argument("--duration", type=float, default=300, help="seconds of load per rate")
     p.add_argument(
         "--warmup", type=float, default=60, help="first seconds not measured (sessions ramp up)"
@@ -447,7 +596,6 @@ def main(argv: list[str] | None = None) -> int:
     if "--quick" in (argv if argv is not None else sys.argv[1:]):
         p.set_defaults(rates="0.3", duration=45, warmup=5, replicas=2, tenants=4, docs=2)
     args = p.parse_args(argv)
-    args.rate_list = [float(r) for r in args.rates.split(",")]
     systems = [s for s in args.systems.split(",") if s]
     if "b" in systems:
         peer_python()  # fail early, naming `make peer-env`
@@ -459,22 +607,33 @@ def main(argv: list[str] | None = None) -> int:
     common.RESULTS.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     t0 = time.time()
-    rbln = [s for s in systems if s in ("a", "c")]
+    rbln = [s for s in systems if s in ROUTING]
     if rbln:
         with rbln_ray_cluster(args) as port:
             for system in rbln:
-                routing = "cache_aware" if system == "a" else "load_aware"
                 print(f"== ({system}) {SYSTEMS[system]}", flush=True)
-                url = deploy(compiled, routing, args.replicas, port, args.decode_steps)
-                asyncio.run(wait_ready(url, 900))
-                results[system] = run_rates(system, url, ray_counters, source, args)
+
+                def fresh(system: str = system) -> str:
+                    url = deploy(compiled, system, args, port)
+                    asyncio.run(wait_ready(url, 900))
+                    return url
+
+                results[system] = run_rates(system, fresh, ray_counters, source, args)
     if "b" in systems:
         print(f"== (b) {SYSTEMS['b']}", flush=True)
         with vllm_rbln_behind_haproxy(compiled, args, common.RESULTS) as (url, servers):
-            results["b"] = run_rates("b", url, lambda: server_counters(servers), source, args)
-    results = {k: results[k] for k in "abc" if k in results}
+
+            def reset() -> str:
+                import httpx
+
+                for server in servers:  # each server's prefix cache emptied
+                    httpx.post(f"{server}/reset_prefix_cache", timeout=60).raise_for_status()
+                return url
+
+            results["b"] = run_rates("b", reset, lambda: server_counters(servers), source, args)
+    results = {k: results[k] for k in SYSTEMS if k in results}
     g = goals(results)
-    settings = {k: v for k, v in vars(args).items() if k != "rate_list"}
+    settings = dict(vars(args))
     settings |= {"compiled": str(compiled), "commit": _commit()}
     result_name = stem(args)
     common.save(

@@ -61,9 +61,8 @@ def register() -> None:
         KVConnectorFactory.register_connector(CONNECTOR, __name__, "RBLNHostKVConnector")
 
 
-def tier_settings(vllm_config: VllmConfig) -> tuple[Path, int] | None:
-    """(root, capacity in bytes) of the tier the config switches on, or None."""
-    kv = vllm_config.kv_transfer_config
+def tier_settings(kv: Any) -> tuple[Path, int] | None:
+    """(root, capacity in bytes) of the tier a ``kv_transfer_config`` switches on, or None."""
     if kv is None or kv.kv_connector != CONNECTOR:
         return None
     extra = kv.kv_connector_extra_config or {}
@@ -73,16 +72,35 @@ def tier_settings(vllm_config: VllmConfig) -> tuple[Path, int] | None:
     return Path(extra.get("root") or DEFAULT_ROOT), int(gib * (1 << 30))
 
 
+def on_node(kv_transfer_config: Any, node_id: str) -> Any:
+    """``kv_transfer_config`` with the tier's ``root`` named after ``node_id`` unless given:
+    the replicas of one Ray node share its tier, another node's are its own (and several
+    raylets on one machine stay apart as nodes of a cluster would)."""
+    if kv_transfer_config is None or kv_transfer_config.kv_connector != CONNECTOR:
+        return kv_transfer_config
+    extra = dict(kv_transfer_config.kv_connector_extra_config or {})
+    extra.setdefault("root", str(DEFAULT_ROOT / node_id))
+    kv_transfer_config.kv_connector_extra_config = extra
+    return kv_transfer_config
+
+
 def open_tier(vllm_config: VllmConfig) -> HostKVTier | None:
     """The node's tier for this engine's model, if the config switches it on."""
-    settings = tier_settings(vllm_config)
+    from rbln_ray.vllm_plugin.platform import compiled_dir
+
+    return tier_for(vllm_config.kv_transfer_config, compiled_dir(vllm_config))
+
+
+def tier_for(kv_transfer_config: Any, model_dir: str | Path) -> HostKVTier | None:
+    """The tier ``kv_transfer_config`` switches on for the compiled model at ``model_dir``
+    (also what a Serve replica's cache report reads: :mod:`rbln_ray.serve.kv_events`)."""
+    settings = tier_settings(kv_transfer_config)
     if settings is None:
         return None
-    from rbln_ray.vllm_plugin.platform import compiled_artifact
+    from rbln_ray.compile.artifact import load_artifact
 
     root, capacity = settings
-    artifact = compiled_artifact(vllm_config)
-    return HostKVTier(root, capacity, model_key(artifact.kv_identity()))
+    return HostKVTier(root, capacity, model_key(load_artifact(model_dir).kv_identity()))
 
 
 class RBLNHostKVMetadata(KVConnectorMetadata):

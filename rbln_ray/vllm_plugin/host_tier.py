@@ -112,11 +112,32 @@ class HostKVTier:
             (self.model, start, *keys),
         ).fetchall()
         position = {key: i for i, key in enumerate(keys)}
-        best: TierHit | None = None
+        matched: dict[int, set[int]] = {}  # entry -> positions where it holds our hash
         for key, pos, entry in rows:
-            if position.get(bytes(key)) == pos and (best is None or pos + 1 > best.blocks):
-                best = TierHit(entry, pos + 1)
+            if position.get(bytes(key)) == pos:
+                matched.setdefault(entry, set()).add(pos)
+        best: TierHit | None = None
+        for entry, positions in matched.items():
+            run = 0
+            while run in positions:  # a run from the segment's start (chained hashes make
+                run += 1  # any match a whole prefix; this holds without relying on that)
+            if run and (best is None or run > best.blocks):
+                best = TierHit(entry, run)
         return best
+
+    def held_hashes(self, hashes: Sequence[Hashable]) -> set[bytes]:
+        """Which of ``hashes`` some entry of this model holds (at any position)."""
+        keys = [hash_bytes(h) for h in hashes]
+        held: set[bytes] = set()
+        for i in range(0, len(keys), 500):  # SQLite's bound on query parameters
+            part = keys[i : i + 500]
+            rows = self._db.execute(
+                f"SELECT DISTINCT hash FROM blocks WHERE model = ? AND hash IN "
+                f"({','.join('?' * len(part))})",
+                (self.model, *part),
+            )
+            held.update(bytes(h) for (h,) in rows)
+        return held
 
     def holds(self, hashes: Sequence[Hashable], start: int) -> bool:
         """Whether some entry starting at ``start`` already holds all of ``hashes``."""
