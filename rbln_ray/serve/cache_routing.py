@@ -43,6 +43,21 @@ in for "no wait", and the longest held prefix decides among those. Full replicas
 The other replicas follow in the same order, so Serve moves on when the first is full when
 it probes it.
 
+At scale (more than :data:`EXACT_SCAN_MAX` replicas) the same order is computed without
+visiting every replica per request (:meth:`CacheAwareRouter._indexed_choice`). Replicas get
+small integer slots, and sets of replicas are bitmasks of slots: an inverted index from block
+key to the replicas holding it (kept per report, :class:`~rbln_ray.serve.kv_index.HolderIndex`,
+and likewise for recent sends) gives, with one AND per prompt block, the replicas holding each
+prefix depth; the router keeps its replicas grouped by load. Every replica of one (load,
+depth) class has the same estimate, so the estimate is computed per class, and only the best
+classes' members are ranked, until the :data:`TOP_CHOICES` best replicas are known (Serve asks
+again when all of them refuse). The one difference from the full scan is the rendezvous hash
+that breaks ties: a 64-bit mix of hashes of the key and of the replica id
+(:func:`hashed_ranks`), computed with numpy for a whole class at once, instead of one blake2b
+per replica (which alone takes over a millisecond at 1,024 replicas). Both are rendezvous
+hashes: every router agrees on the same replica without shared state, sessions spread evenly,
+and a replica that leaves moves only its own ties.
+
 Restarts and scale-ups: state is per replica id; a replica that leaves takes its reports,
 recent sends and sessions with it (its sessions go where their cached prefix or the hash
 sends them), and a new one starts with nothing cached and takes new work by load.
@@ -51,19 +66,30 @@ sends them), and a new one starts with nothing cached and takes new work by load
 from __future__ import annotations
 
 import asyncio
+import bisect
+import hashlib
 import json
 import logging
 import threading
 import time
+from array import array
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from rbln_ray.serve.kv_events import STATS_BLOCK_SIZE, STATS_BLOCKS, STATS_EVENTS
-from rbln_ray.serve.kv_index import chain_hashes, held_prefix
+from rbln_ray.serve.kv_index import (
+    HolderIndex,
+    chain_hashes,
+    depth_classes,
+    held_prefix,
+    slots_of,
+)
 from rbln_ray.serve.routing import PREFIX_CHARS, fixed_choice, rank
 from rbln_ray.serve.service_times import STATS_PREFILL_S_PER_TOKEN, STATS_SERVICE_S
 
@@ -79,6 +105,11 @@ RECENT_TTL_S = 5.0
 STATS_PERIOD_S = 1.0  # request_routing_stats_period_s of cache-aware deployments
 MAX_SESSIONS = 100_000  # remembered session -> replica pairs (least recently used dropped)
 MAX_PENDING = 4096  # requests whose routing inputs are cached while they wait for a replica
+# Up to this many replicas every decision scores every replica (the order every figure up to
+# 8 replicas was measured with: BENCHMARKS 15); beyond, the indexed path (module docstring),
+# which is cheaper from about there on (BENCHMARKS, "Fleet simulation").
+EXACT_SCAN_MAX = 8
+TOP_CHOICES = 8  # replicas the indexed path returns, best first
 # Tokenizing for routing: at most this long a request (then it is routed without tokens), at
 # most this many renders queued, at most this much text (a longer prompt is routed by its
 # start, or without tokens for chat).
@@ -121,22 +152,28 @@ def estimate_ttft(rates: ServiceRates, batch_size: int, load: int, uncached_toke
 
 
 def order_candidates(
-    candidates: list[Candidate], session_replica: str | None, key: str, load_slack: int
+    candidates: list[Candidate],
+    session_replica: str | None,
+    key: str,
+    load_slack: int,
+    tiebreak: dict[str, int] | None = None,
 ) -> list[str]:
     """Replica ids, most preferred first (see the module docstring for the rule): by
     estimated time to first token when every candidate has one, else within ``load_slack``
-    of the least loaded."""
+    of the least loaded. ``tiebreak`` (replica id -> place) replaces the blake2b rendezvous
+    order of ``key`` as the last rule (the indexed path's, :func:`hashed_ranks`)."""
     if not candidates:
         return []
-    hashed = {rid: i for i, rid in enumerate(rank(key, [c.replica_id for c in candidates]))}
-    available = [c for c in candidates if c.load < c.capacity]
-    least = min((c.load for c in available), default=0)
+    hashed = tiebreak or {
+        rid: i for i, rid in enumerate(rank(key, [c.replica_id for c in candidates]))
+    }
+    least = min((c.load for c in candidates if c.load < c.capacity), default=0)
     timed = all(c.ttft_s is not None for c in candidates)
 
     def preference(c: Candidate) -> tuple:
         soon = c.ttft_s if timed else float(c.load > least + load_slack)
         return (
-            c not in available,
+            c.load >= c.capacity,  # not available: a full replica goes last
             soon,
             -c.held_blocks,
             c.replica_id != session_replica,
@@ -144,6 +181,47 @@ def order_candidates(
         )
 
     return [c.replica_id for c in sorted(candidates, key=preference)]
+
+
+# ------------------------------------------------------------------ the indexed path's hash
+_M64 = (1 << 64) - 1
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finalizer
+
+
+def hash64(text: str) -> int:
+    """A 64-bit hash of a routing key or replica id."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def _mix64(x: int) -> int:
+    x ^= x >> 30
+    x = (x * _MIX1) & _M64
+    x ^= x >> 27
+    x = (x * _MIX2) & _M64
+    return x ^ (x >> 31)
+
+
+def _mix64_array(x: np.ndarray) -> np.ndarray:
+    """:func:`_mix64` of every element of a uint64 array (multiplication wraps mod 2**64)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(_MIX1)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(_MIX2)
+    return x ^ (x >> np.uint64(31))
+
+
+def hashed_ranks(key: str, replica_ids: list[str]) -> dict[str, int]:
+    """The indexed path's rendezvous order of ``key``: replica id -> place (0 first), by
+    ``mix64(hash64(key) ^ hash64(replica id))`` descending, then by replica id."""
+    k = hash64(key)
+    order = sorted(replica_ids, key=lambda rid: (-_mix64(k ^ hash64(rid)), rid))
+    return {rid: place for place, rid in enumerate(order)}
+
+
+def _bits(mask: int, width: int) -> np.ndarray:
+    """The slots of a bitmask as an index array (numpy: for large masks)."""
+    raw = np.frombuffer(mask.to_bytes((width + 7) // 8, "little"), dtype=np.uint8)
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little"))
 
 
 # ------------------------------------------------------------------ what a request says
@@ -243,11 +321,30 @@ class PromptTokenizer:
 
     async def tokens_within_budget(self, request: Any) -> list[int] | None:
         """:meth:`tokens` on the router's own thread, or None past the budget."""
+        return await self._within_budget(self.tokens, request)
+
+    async def keys_within_budget(
+        self, request: Any, block_size: int, lora: str | None, salt: str | None
+    ) -> tuple[list[int] | None, list[int] | None]:
+        """(tokens, their :func:`chain_hashes` keys) on the router's own thread, within the
+        same budget: hashing a long prompt's blocks takes as long as a decision, and belongs
+        off the event loop as much as tokenizing does."""
+
+        def work(req: Any) -> tuple[list[int] | None, list[int] | None]:
+            tokens = self.tokens(req)
+            if tokens is None:
+                return None, None
+            return tokens, chain_hashes(tokens, block_size, lora_name=lora, cache_salt=salt)
+
+        found = await self._within_budget(work, request)
+        return found if found is not None else (None, None)
+
+    async def _within_budget(self, work: Callable[[Any], Any], request: Any) -> Any:
         with self._lock:
             if self._waiting >= MAX_WAITING_RENDERS:
                 return None
             self._waiting += 1
-        future = self._pool.submit(self.tokens, request)
+        future = self._pool.submit(work, request)
         future.add_done_callback(self._finished)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), self.budget_s)
@@ -264,7 +361,7 @@ class PromptTokenizer:
         prompt = _field(body, "prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
             prompt = prompt[0]  # several prompts: route by the first
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list) and _token_ids(prompt):
             return list(prompt)
         tokenizer = self._load()
         if tokenizer is None:
@@ -301,6 +398,26 @@ class PromptTokenizer:
         except Exception as exc:  # noqa: BLE001 - route without tokens
             logger.debug("could not tokenize a request for routing: %s", exc)
             return None
+
+
+def report_keys(blocks: Any) -> frozenset[int]:
+    """A report's held keys: a list of ints (what replicas report), or the same keys as
+    one byte string of native int64s (``array("q", keys).tobytes()``: a broadcast of 1,024
+    replicas' reports unpickles as one copy instead of 300,000 ints; BENCHMARKS, "Fleet
+    simulation")."""
+    if isinstance(blocks, bytes | bytearray | memoryview):
+        return frozenset(array("q", bytes(blocks)))
+    return frozenset(blocks or ())
+
+
+def _token_ids(values: list[Any]) -> bool:
+    """Whether a prompt is token ids: 64-bit integers (what block keys pack), checked in C
+    (a 4,000-token prompt's ``isinstance`` per token took milliseconds in the ingress)."""
+    try:
+        array("q", values)
+    except (TypeError, OverflowError):
+        return False
+    return True
 
 
 def template_variables(tokenizer: Any) -> frozenset[str]:
@@ -341,11 +458,42 @@ def prefix_text(request: Any) -> str:
 
 
 # ------------------------------------------------------------------ router state
-class _Recent:
-    """Keys of prompt blocks sent to one replica: held while their requests run (counted),
-    then until an expiry."""
+class _RecentMasks:
+    """Per block key, the slots of the replicas it was recently sent to: ``running`` (a
+    request carrying it runs there) and ``expiring`` (it has an expiry there, possibly
+    passed: :class:`_Recent` owns the times). Shared by one router's replicas."""
 
     def __init__(self) -> None:
+        self.running: dict[int, int] = {}
+        self.expiring: dict[int, int] = {}
+
+    @staticmethod
+    def set(table: dict[int, int], key: int, bit: int) -> None:
+        table[key] = table.get(key, 0) | bit
+
+    @staticmethod
+    def clear(table: dict[int, int], key: int, bit: int) -> None:
+        left = table.get(key, 0) & ~bit
+        if left:
+            table[key] = left
+        else:
+            table.pop(key, None)
+
+
+class _Recent:
+    """Keys of prompt blocks sent to one replica: held while their requests run (counted),
+    then until an expiry; mirrored in the router's :class:`_RecentMasks` under the
+    replica's slot."""
+
+    def __init__(
+        self,
+        slot: int = 0,
+        masks: _RecentMasks | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.bit = 1 << slot
+        self.masks = masks or _RecentMasks()
+        self.clock = clock
         self.running: Counter[int] = Counter()
         self.expiry: dict[int, float] = {}
 
@@ -353,23 +501,38 @@ class _Recent:
         if self.running.get(key):
             return True
         expiry = self.expiry.get(key)
-        return expiry is not None and expiry > time.monotonic()
+        return expiry is not None and expiry > self.clock()
 
     def add(self, keys: list[int]) -> None:
-        self.running.update(keys)
+        running = self.masks.running
+        for key in keys:
+            self.running[key] += 1
+            if self.running[key] == 1:
+                _RecentMasks.set(running, key, self.bit)
 
     def done(self, keys: list[int], ttl: float) -> None:
-        until = time.monotonic() + ttl
+        until = self.clock() + ttl
+        masks = self.masks
         for key in keys:
             self.running[key] -= 1
             if self.running[key] <= 0:
                 del self.running[key]
+                _RecentMasks.clear(masks.running, key, self.bit)
                 self.expiry[key] = until
+                _RecentMasks.set(masks.expiring, key, self.bit)
 
     def prune(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for key in [k for k, t in self.expiry.items() if t <= now]:
             del self.expiry[key]
+            _RecentMasks.clear(self.masks.expiring, key, self.bit)
+
+    def forget(self) -> None:
+        """Take every key out of the masks (the replica is gone)."""
+        for key in self.running:
+            _RecentMasks.clear(self.masks.running, key, self.bit)
+        for key in self.expiry:
+            _RecentMasks.clear(self.masks.expiring, key, self.bit)
 
 
 @dataclass
@@ -417,19 +580,44 @@ class CacheAwareRouter(RequestRouter):
         batch_size: int = 4,
         recent_ttl_s: float = RECENT_TTL_S,
         served_name: str | None = None,
+        clock: Callable[[], float] | None = None,
+        exact_scan_max: int = EXACT_SCAN_MAX,
+        top_choices: int = TOP_CHOICES,
     ) -> None:
+        """``clock``: the time recent sends expire by (default ``time.monotonic``; the fleet
+        simulation passes its simulated time); ``exact_scan_max`` and ``top_choices``: the
+        indexed path's (module docstring)."""
         self._tokenizer = PromptTokenizer(tokenizer)
         self._served_name = served_name
         self._batch_size = max(1, batch_size)
         self._recent_ttl_s = recent_ttl_s
+        self._clock = clock or time.monotonic
+        self._exact_scan_max = exact_scan_max
+        self._top_choices = max(1, top_choices)
         self._pending: OrderedDict[str, _Request] = OrderedDict()
         self._inflight: dict[str, tuple[str, _Request]] = {}  # request id -> replica, request
         self._load: Counter[str] = Counter()
         self._recent: dict[str, _Recent] = {}
+        self._recent_masks = _RecentMasks()
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._reports: dict[str, tuple[int, frozenset[int], int | None]] = {}
+        self._holders = HolderIndex()  # key -> slots of the replicas whose report holds it
         self._routed = 0
         self._live: set[str] = set()  # the replicas of the last choice
+        # Slots: a small integer per known replica (reused after it leaves).
+        self._slots: dict[str, int] = {}
+        self._slot_ids: list[str | None] = []
+        self._slot_hashes: list[int] = []
+        self._free_slots: list[int] = []
+        # The indexed path's view of one replica list (refresh_index).
+        self._indexed: list[RunningReplica] | None = None
+        self._indexed_replica: dict[int, RunningReplica] = {}  # slot -> replica
+        self._indexed_mask = 0  # their slots
+        self._by_load: dict[int, int] = {}  # this router's load -> slots carrying it
+        self._hash_array = np.zeros(0, dtype=np.uint64)  # per slot: hash64(replica id)
+        self._indexed_capacity: int | None = None  # None: replicas differ (full scan)
+        self._indexed_rates: ServiceRates | None = None
+        self._indexed_block_size = DEFAULT_BLOCK_SIZE  # the replicas' last reported one
 
     # ------------------------------------------------------------------ inputs
     async def _request(self, pending: PendingRequest) -> _Request:
@@ -439,21 +627,42 @@ class CacheAwareRouter(RequestRouter):
             arg = pending.args[0]
             lora, salt = request_scope(_body(arg), self._served_name)
             session = scoped_session(arg, session_of(arg, pending.kwargs), lora, salt)
-            tokens = await self._tokenizer.tokens_within_budget(arg)
-            found = _Request(session, session or prefix_text(arg), tokens, {}, lora, salt)
+            block = self._indexed_block_size  # the replicas' last reported block size
+            tokens, keys = await self._tokenizer.keys_within_budget(arg, block, lora, salt)
+            chains = {block: keys} if keys is not None else {}
+            found = _Request(session, session or prefix_text(arg), tokens, chains, lora, salt)
             self._pending[rid] = found
             while len(self._pending) > MAX_PENDING:
                 self._pending.popitem(last=False)
         return found
 
+    def _slot(self, rid: str) -> int:
+        slot = self._slots.get(rid)
+        if slot is None:
+            if self._free_slots:
+                slot = self._free_slots.pop()
+                self._slot_ids[slot], self._slot_hashes[slot] = rid, hash64(rid)
+            else:
+                slot = len(self._slot_ids)
+                self._slot_ids.append(rid)
+                self._slot_hashes.append(hash64(rid))
+            self._slots[rid] = slot
+        return slot
+
     def _held(self, replica: RunningReplica) -> tuple[frozenset[int], int | None]:
-        """The keys a replica last reported (parsed once per report) and its block size."""
+        """The keys a replica last reported (parsed once per report, and indexed by key) and
+        its block size."""
         rid = replica.replica_id.unique_id
         stats = replica.routing_stats or {}
         events = stats.get(STATS_EVENTS)
         cached = self._reports.get(rid)
         if cached is None or cached[0] != events:
-            cached = (events, frozenset(stats.get(STATS_BLOCKS) or ()), stats.get(STATS_BLOCK_SIZE))
+            keys = report_keys(stats.get(STATS_BLOCKS))
+            old = cached[1] if cached is not None else frozenset()
+            slot = self._slot(rid)
+            self._holders.remove(slot, old - keys)
+            self._holders.add(slot, keys - old)
+            cached = (events, keys, stats.get(STATS_BLOCK_SIZE))
             self._reports[rid] = cached
         return cached[1], cached[2]
 
@@ -484,7 +693,7 @@ class CacheAwareRouter(RequestRouter):
     ) -> Candidate:
         rid = replica.replica_id.unique_id
         reported, _ = self._held(replica)
-        recent = self._recent.get(rid) or _Recent()
+        recent = self._recent.get(rid) or ()
         cached_len = self.replica_queue_len_cache.get(replica.replica_id) or 0
         load = max(self._load[rid], cached_len)
         keys = request.chain(request.block_size)
@@ -502,6 +711,170 @@ class CacheAwareRouter(RequestRouter):
             ttft_s=ttft,
         )
 
+    # ------------------------------------------------------------------ the indexed path
+    def refresh_index(self, replicas: list[RunningReplica]) -> None:
+        """Take ``replicas`` as the indexed path's replica list: parse the reports that
+        changed (updating the key index), group the replicas by load, pool their times.
+        O(replicas); Serve calls it when it hands the router a new replica list
+        (:meth:`update_replicas`: on a change of membership or of a report), not per
+        request; a driver outside Serve (the fleet simulation) calls it the same way."""
+        live = {r.replica_id.unique_id for r in replicas}
+        same = live == self._live and self._indexed is not None
+        if not same:
+            self._live = live
+            self._forget_except(live)
+        by_slot: dict[int, RunningReplica] = {}
+        for replica in replicas:
+            self._held(replica)
+            by_slot[self._slot(replica.replica_id.unique_id)] = replica
+        self._indexed = replicas
+        self._indexed_replica = by_slot
+        if not same:  # the same replicas keep their slots and load groups (_count)
+            by_load: dict[int, int] = {}
+            for slot, replica in by_slot.items():
+                load = self._load[replica.replica_id.unique_id]
+                by_load[load] = by_load.get(load, 0) | (1 << slot)
+            self._by_load = by_load
+            self._indexed_mask = sum(1 << slot for slot in by_slot)
+            self._hash_array = np.array(self._slot_hashes, dtype=np.uint64)
+        capacities = {r.max_ongoing_requests for r in replicas}
+        self._indexed_capacity = capacities.pop() if len(capacities) == 1 else None
+        self._indexed_rates = self._rates(replicas)
+        self._indexed_block_size = self._block_size(replicas)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        if len(self._replicas_list) > getattr(self, "_exact_scan_max", len(replicas)):
+            self.refresh_index(self._replicas_list)
+
+    def _holder_mask(self, key: int) -> int:
+        """Slots of the replicas holding ``key``: by their last report, or by a recent send
+        still held (running, or not yet expired)."""
+        masks = self._recent_masks
+        mask = self._holders.mask(key) | masks.running.get(key, 0)
+        expiring = masks.expiring.get(key, 0) & ~mask
+        if expiring:
+            now = self._clock()
+            for slot in slots_of(expiring):
+                recent = self._recent.get(self._slot_ids[slot] or "")
+                until = recent.expiry.get(key) if recent is not None else None
+                if until is not None and until > now:
+                    mask |= 1 << slot
+        return mask
+
+    def _members(self, mask: int, key_hash: int, session: int | None) -> Iterator[tuple]:
+        """A class's replicas in tie-break order, lazily: (not the session's, inverse hash,
+        id, slot) ascending (:func:`hashed_ranks`). Large classes are ranked with numpy,
+        the first few members first (the caller rarely needs more)."""
+        ids = self._slot_ids
+        if mask.bit_count() <= 32:
+            yield from sorted(
+                (int(slot != session), _M64 ^ _mix64(key_hash ^ self._slot_hashes[slot]),
+                 ids[slot], slot)
+                for slot in slots_of(mask)
+            )  # fmt: skip
+            return
+        slots = _bits(mask, len(self._slot_ids))
+        inverse = ~_mix64_array(np.uint64(key_hash) ^ self._hash_array[slots])
+        first = min(len(slots), 2 * self._top_choices + 1)
+        head = np.argpartition(inverse, first - 1)[:first]
+        head = head[np.argsort(inverse[head])]
+        values = inverse[head]
+        if (values[1:] == values[:-1]).any() or (inverse == values[-1]).sum() > 1:
+            # a 64-bit tie: order the whole class by id as well
+            yield from sorted(
+                (int(s != session), int(v), ids[s], s)
+                for s, v in zip(slots.tolist(), inverse.tolist(), strict=True)
+            )
+            return
+        if session is not None and mask >> session & 1:
+            at = int(np.flatnonzero(slots == session)[0])
+            yield (0, int(inverse[at]), ids[session], session)
+        for s, v in zip(slots[head].tolist(), values.tolist(), strict=True):
+            if s != session:
+                yield (1, v, ids[s], s)
+        rest = np.argsort(inverse, kind="stable")[first:]
+        for s, v in zip(slots[rest].tolist(), inverse[rest].tolist(), strict=True):
+            if s != session:
+                yield (1, v, ids[s], s)
+
+    def _indexed_choice(
+        self, request: _Request, session_replica: str | None
+    ) -> list[list[RunningReplica]]:
+        """The :data:`TOP_CHOICES` first replicas of :func:`order_candidates`' order (with
+        :func:`hashed_ranks` as the tie-break), without a :class:`Candidate` per replica.
+
+        Replicas of one class (this router's load, held prefix depth) share an estimate;
+        classes are ranked by it and their members by the tie-break. Serve's queue-length
+        cache can only raise a load (``max``), and a higher load never makes a replica
+        preferred, so replicas are visited in that order and the cache is read only for the
+        visited ones, until the next one's estimate is already worse than the last of the
+        choices so far. Until replicas report times the rule needs the least loaded replica,
+        so every replica's load is read (as the full scan does)."""
+        rates, batch = self._indexed_rates, self._batch_size
+        capacity = self._indexed_capacity
+        assert capacity is not None
+        cache = self.replica_queue_len_cache
+        by_load = self._by_load
+        if rates is None:  # the load-slack rule: loads as the full scan reads them
+            by_load = {}
+            for slot, replica in self._indexed_replica.items():
+                rid = replica.replica_id.unique_id
+                load = max(self._load[rid], cache.get(replica.replica_id) or 0)
+                by_load[load] = by_load.get(load, 0) | (1 << slot)
+            least = min((load for load in by_load if load < capacity), default=0)
+
+        def estimate(load: int, uncached: int) -> float:
+            if rates is None:
+                return float(load > least + batch)
+            return estimate_ttft(rates, batch, load, uncached)
+
+        request.block_size = block = self._indexed_block_size
+        keys = request.chain(block)
+        tokens = len(request.tokens or ())
+        live = self._indexed_mask
+        groups = [(d, m & live) for d, m in depth_classes(keys, self._holder_mask)]
+        holding = 0
+        for _, m in groups:
+            holding |= m
+        classes: dict[tuple, int] = {}
+        for depth, dmask in [(0, live & ~holding), *groups]:
+            if not dmask:
+                continue
+            uncached = max(0, tokens - depth * block)
+            for load, lmask in by_load.items():
+                members = dmask & lmask
+                if members:
+                    head = (load >= capacity, estimate(load, uncached), -depth)
+                    classes[head] = classes.get(head, 0) | members
+        session = self._slots.get(session_replica) if session_replica else None
+        key_hash = hash64(request.key)
+        top = min(self._top_choices, live.bit_count())
+        chosen: list[tuple[tuple, int]] = []  # (preference, slot), best first
+        replica_at, own_load, cached = self._indexed_replica, self._load, cache.get
+        for head, mask in sorted(classes.items()):
+            if len(chosen) >= top and head > chosen[-1][0][:3]:
+                break
+            for other, inverse, rid, slot in self._members(mask, key_hash, session):
+                bound = (*head, other, inverse, rid)
+                if len(chosen) >= top and bound > chosen[-1][0]:
+                    break
+                replica = replica_at[slot]
+                own = own_load[rid]
+                load = max(own, cached(replica.replica_id) or 0)
+                preference = bound
+                if load != own and rates is not None:
+                    uncached = max(0, tokens + head[2] * block)
+                    ttft = estimate_ttft(rates, batch, load, uncached)
+                    preference = (load >= capacity, ttft, *bound[2:])
+                if not chosen or preference > chosen[-1][0]:
+                    chosen.append((preference, slot))
+                else:
+                    bisect.insort(chosen, (preference, slot))
+                if len(chosen) > top:
+                    chosen.pop()
+        return [[replica_at[slot]] for _, slot in chosen]
+
     # ------------------------------------------------------------------ Serve's hooks
     async def choose_replicas(
         self,
@@ -511,12 +884,20 @@ class CacheAwareRouter(RequestRouter):
         fixed = fixed_choice(candidate_replicas, pending_request)  # e.g. a stored response's
         if fixed is not None:
             return fixed
+        if len(candidate_replicas) > self._exact_scan_max:
+            if candidate_replicas is not self._indexed:
+                self.refresh_index(candidate_replicas)
+            request = await self._request(pending_request)
+            if self._indexed_capacity is not None:  # else (capacities differ) the full scan
+                session = self._sessions.get(request.session) if request.session else None
+                return self._indexed_choice(request, session)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if by_id.keys() != self._live:  # Serve passes every running replica
             self._live = set(by_id)
             self._forget_except(self._live)
         request = await self._request(pending_request)
         request.block_size = self._block_size(candidate_replicas)
+        self._indexed_block_size = request.block_size  # the next requests' keys' size
         rates = self._rates(candidate_replicas)
         session_replica = self._sessions.get(request.session) if request.session else None
         order = order_candidates(
@@ -527,6 +908,20 @@ class CacheAwareRouter(RequestRouter):
         )
         return [[by_id[rid]] for rid in order]
 
+    def _count(self, rid: str, delta: int) -> None:
+        """This router's load of a replica changes (and the replica's load group)."""
+        old = self._load[rid]
+        self._load[rid] = new = max(0, old + delta)
+        slot = self._slots.get(rid)
+        if slot is not None and slot in self._indexed_replica and new != old:
+            bit = 1 << slot
+            left = self._by_load.get(old, 0) & ~bit
+            if left:
+                self._by_load[old] = left
+            else:
+                self._by_load.pop(old, None)
+            self._by_load[new] = self._by_load.get(new, 0) | bit
+
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: Any, result: Any
     ) -> None:
@@ -535,8 +930,12 @@ class CacheAwareRouter(RequestRouter):
         if request is None:
             return
         self._inflight[pending_request.metadata.internal_request_id] = (rid, request)
-        self._load[rid] += 1
-        self._recent.setdefault(rid, _Recent()).add(request.chain(request.block_size))
+        self._count(rid, +1)
+        recent = self._recent.get(rid)
+        if recent is None:
+            recent = _Recent(self._slot(rid), self._recent_masks, self._clock)
+            self._recent[rid] = recent
+        recent.add(request.chain(request.block_size))
         if request.session:
             self._sessions[request.session] = rid
             self._sessions.move_to_end(request.session)
@@ -552,19 +951,27 @@ class CacheAwareRouter(RequestRouter):
         if found is None:
             return
         rid, request = found
-        self._load[rid] = max(0, self._load[rid] - 1)
+        self._count(rid, -1)
         recent = self._recent.get(rid)
         if recent is not None:
             recent.done(request.chain(request.block_size), self._recent_ttl_s)
 
     def _forget_except(self, live: set[str]) -> None:
         """Drop what the router knows about replicas that are gone (restarted, scaled down,
-        dead: Serve no longer offers them): their reports, recent sends, load and sessions."""
-        for table in (self._reports, self._recent):
-            for rid in [r for r in table if r not in live]:
-                del table[rid]
+        dead: Serve no longer offers them): their reports, recent sends, load, sessions and
+        slots."""
+        self._indexed = None  # the indexed path lays its replicas out again
+        for rid in [r for r in self._reports if r not in live]:
+            self._holders.remove(self._slots[rid], self._reports.pop(rid)[1])
+        for rid in [r for r in self._recent if r not in live]:
+            self._recent.pop(rid).forget()
         for rid in [r for r in self._load if r not in live]:
             del self._load[rid]
+        for rid in [r for r in self._slots if r not in live]:
+            slot = self._slots.pop(rid)
+            self._slot_ids[slot] = None
+            self._free_slots.append(slot)
+            self._indexed_replica.pop(slot, None)
         gone = [s for s, rid in self._sessions.items() if rid not in live]
         for session in gone:
             del self._sessions[session]
