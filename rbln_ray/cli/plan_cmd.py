@@ -6,10 +6,19 @@
     rbln-ray plan --model path/to/hf_dir ... --json
     rbln-ray plan --model llama-3-8b --weights int8 --kv-cache-dtype fp8 ...
     rbln-ray plan --model llama-3-8b --lora-adapters 4 --max-lora-rank 16 ...
+    rbln-ray plan --model llama-3-8b --input-len 2048 --output-len 80 --rate 12 --simulate
 
 Estimates come from the cost model of the chosen device (ATOM by default, or
 REBEL; rbln_ray.npu.cost_model lists which figures are published and which are
 assumptions); the hardware flags below override the device's figures.
+
+--simulate then sizes the fleet by simulating it (rbln_ray/planning/fleet): the
+plan's replicas (its shard group and compiled batch, 4,096-token sequences, the KV
+blocks its memory leaves) serve multi-turn chat and RAG sessions (BENCHMARKS 15's
+workload: shared system prompts and documents, not the fixed --input-len) at --rate
+behind the real cache-aware router, and the fewest replicas whose requests meet the
+SLO (--ttft-slo-ms, --tpot-slo-ms; default 2 s and 150 ms) for --slo-attainment of
+them is the answer, with the ingress replicas that fleet needs.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import replace
+from typing import Any
 
 from rbln_ray.npu import kinds
 from rbln_ray.npu.cost_model import PRESETS, SPECS, DeviceSpec, ModelShape, shape_from_spec
@@ -73,6 +83,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument(
         "--batch-sizes", help="comma list of compiled batches to consider (default 1..128)"
     )
+    s = p.add_argument_group(
+        "simulation (--simulate: size the fleet by simulating chat and RAG sessions on the "
+        "plan's replicas behind the real cache-aware router)"
+    )
+    s.add_argument("--simulate", action="store_true", help="size by simulation as well")
+    s.add_argument(
+        "--slo-attainment", type=float, default=0.9, help="share of requests within the SLO"
+    )
+    s.add_argument("--tenants", type=int, help="system prompts (default: 22 per req/s)")
+    s.add_argument("--documents", type=int, help="RAG documents (default: 22 per req/s)")
+    s.add_argument("--sim-duration", type=float, default=180.0, help="simulated seconds")
+    s.add_argument("--sim-max-replicas", type=int, default=256, help="largest fleet to simulate")
     p.add_argument("--json", action="store_true", help="print the full plan as JSON")
     p.add_argument("--all", action="store_true", help="list every fitting option, not the best")
 
@@ -105,18 +127,20 @@ def with_flags(shape: ModelShape, args: argparse.Namespace) -> ModelShape:
     return replace(shape, **changes)
 
 
-def build(args: argparse.Namespace) -> Plan:
+def _shape(args: argparse.Namespace) -> ModelShape:
     if args.model:
-        shape = compiled_shape(shape_from_spec(args.model), args.model)
-    elif args.params and args.layers and args.hidden and args.kv_bytes_per_token:
-        shape = shape_from_dims(
+        return compiled_shape(shape_from_spec(args.model), args.model)
+    if args.params and args.layers and args.hidden and args.kv_bytes_per_token:
+        return shape_from_dims(
             args.params, args.layers, args.hidden, args.kv_bytes_per_token, args.vocab
         )
-    else:
-        raise SystemExit(
-            "give --model PRESET|DIR, or --params, --layers, --hidden and --kv-bytes-per-token"
-        )
-    shape = with_flags(shape, args)
+    raise SystemExit(
+        "give --model PRESET|DIR, or --params, --layers, --hidden and --kv-bytes-per-token"
+    )
+
+
+def build(args: argparse.Namespace) -> Plan:
+    shape = with_flags(_shape(args), args)
     spec = device_spec(args)
     limits = Limits(cards_per_node=args.cards_per_node)
     if args.batch_sizes:
@@ -202,12 +226,147 @@ def render(result: Plan, show_all: bool = False) -> str:
     return "\n".join(lines)
 
 
+SIM_SEQ_LEN = 4096  # the session workload's prompts reach ~3,800 tokens
+
+
+def simulation_replica(result: Plan, args: argparse.Namespace) -> Any:
+    """The plan's replica as the fleet simulation models it (a ``ReplicaConfig``), or why
+    it cannot be (a string)."""
+    from rbln_ray.planning.fleet.replica import ReplicaConfig
+
+    chosen = result.chosen
+    if chosen is None:
+        return "no plan to simulate"
+    shape = with_flags(_shape(args), args)
+    spec = device_spec(args)
+    n, batch = chosen.devices_per_worker, chosen.batch
+    kv_bytes = (chosen.kv_per_device_gib + chosen.free_per_device_gib) * 2**30 * n
+    blocks = int(kv_bytes // (SIM_SEQ_LEN * shape.kv_bytes_per_token))
+    if blocks <= batch:
+        return (
+            f"the plan's memory holds {blocks} sequences of {SIM_SEQ_LEN} tokens; the "
+            f"simulated sessions need more than its batch of {batch} (one per slot, plus cache)"
+        )
+    return ReplicaConfig(
+        shape=shape,
+        spec=spec,
+        batch=batch,
+        devices=n,
+        decode_sizes=tuple(sorted({batch, *(b for b in (1, 2, 4) if b < batch)})),
+        max_seq_len=SIM_SEQ_LEN,
+        kv_blocks=blocks,
+        kv_block_tokens=SIM_SEQ_LEN,
+        chunk=kinds.kind_by_name(spec.name).prefill_chunk,
+        max_ongoing=2 * batch,
+        host_s_per_step=(args.host_ms_per_step or 0.5) / 1e3,
+    )
+
+
+def simulate(result: Plan, args: argparse.Namespace) -> dict:
+    """``--simulate``: the fewest replicas that meet the SLO in simulation (module doc)."""
+    import sys
+
+    from rbln_ray.planning.fleet.ingress import DEFAULT_MODE, THROUGHPUT_MODE, replicas_needed
+    from rbln_ray.planning.fleet.sizing import SizingTarget, size_fleet
+    from rbln_ray.serve.fleet_router import SimulatedRouter, block_keys
+
+    replica = simulation_replica(result, args)
+    if isinstance(replica, str):
+        return {"replicas": None, "reason": replica}
+    target = SizingTarget(
+        rate=args.rate,
+        ttft_slo_s=(args.ttft_slo_ms or 2000.0) / 1e3,
+        tpot_slo_s=(args.tpot_slo_ms or 150.0) / 1e3,
+        attainment=args.slo_attainment,
+        tenants=args.tenants,
+        documents=args.documents,
+        duration_s=args.sim_duration,
+        warmup_s=args.sim_duration / 3,
+        max_replicas=args.sim_max_replicas,
+    )
+
+    def routers(n: int, clock) -> list:
+        return [SimulatedRouter(n, clock, batch_size=replica.batch,
+                                max_ongoing=replica.max_ongoing)]  # fmt: skip
+
+    def progress(res: dict) -> None:
+        print(
+            f"  simulated {res['replicas']} replica(s): {res['slo_attainment'] or 0:.0%} within "
+            f"the SLO, hit rate {res['hit_rate'] or 0:.0%}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    first = result.chosen.replicas if result.chosen else 1
+    sizing = size_fleet(target, replica, routers, block_keys(replica.chunk), first, progress)
+    out: dict = {
+        "replicas": sizing.replicas,
+        "cards": sizing.replicas * replica.devices if sizing.replicas else None,
+        "reason": sizing.reason,
+        "workload": {**vars(target.spec()), "slo_attainment": target.attainment,
+                     "ttft_slo_s": target.ttft_slo_s, "tpot_slo_s": target.tpot_slo_s},
+        "replica": {"devices": replica.devices, "batch": replica.batch,
+                    "kv_blocks": replica.kv_blocks, "max_seq_len": replica.max_seq_len},
+        "tried": [{k: v for k, v in r.items() if k in TRIED_KEYS} for r in sizing.tried],
+    }  # fmt: skip
+    found = [r for r in sizing.tried if r["replicas"] == sizing.replicas]
+    if found:
+        r = found[0]
+        per_request = r.get("router_cpu_s_per_request", 0.0)
+        out["ingress_replicas"] = {
+            mode: replicas_needed(r["output_tok_per_s"], r["req_per_s"], per_request, 0, 0, c)
+            for mode, c in (("default", DEFAULT_MODE), ("throughput_optimized", THROUGHPUT_MODE))
+        }
+    return out
+
+
+TRIED_KEYS = ("replicas", "met", "slo_attainment", "goodput_req_per_s", "hit_rate", "ttft_ms",
+              "tpot_ms", "req_per_s", "output_tok_per_s", "decision_cpu_us_p99")  # fmt: skip
+
+
+def render_simulation(sim: dict) -> str:
+    if sim.get("replicas") is None and "tried" not in sim:
+        return f"SIMULATION: not run: {sim['reason']}"
+    w = sim["workload"]
+    lines = [
+        "",
+        f"SIMULATED (rbln_ray/planning/fleet, the real cache-aware router): chat and RAG "
+        f"sessions at {w['rate']:g} req/s ({w['tenants']} tenants, {w['num_docs']} documents), "
+        f"{sim['replica']['kv_blocks']} KV blocks of {sim['replica']['max_seq_len']} tokens "
+        f"per replica; SLO TTFT <= {w['ttft_slo_s']:g} s and TPOT <= "
+        f"{w['tpot_slo_s'] * 1e3:g} ms for {w['slo_attainment']:.0%} of requests",
+        f"{'replicas':>8} {'in SLO':>7} {'goodput':>8} {'hit rate':>8} {'TTFT p50/p99 ms':>16}",
+    ]
+    for r in sim["tried"]:
+        ttft = r["ttft_ms"]
+        lines.append(
+            f"{r['replicas']:>8} {r['slo_attainment'] or 0:>7.0%} "
+            f"{r['goodput_req_per_s']:>8.2f} {r['hit_rate'] or 0:>8.0%} "
+            f"{ttft['p50'] or 0:>7.0f}/{ttft['p99'] or 0:<8.0f}"
+        )
+    if sim["replicas"] is None:
+        lines.append(f"SIMULATED PLAN: none: {sim['reason']}")
+    else:
+        ingress = sim.get("ingress_replicas", {})
+        lines.append(
+            f"SIMULATED PLAN: {sim['replicas']} replica(s) = {sim['cards']} card(s); ingress "
+            f"replicas: {ingress.get('default')} (Serve's default mode), "
+            f"{ingress.get('throughput_optimized')} (throughput-optimized mode)"
+        )
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     result = build(args)
+    sim = simulate(result, args) if args.simulate else None
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps({**result.to_dict(), **({"simulation": sim} if sim else {})}, indent=2))
     else:
         print(render(result, show_all=args.all))
+        if sim is not None:
+            print(render_simulation(sim))
+    if sim is not None and sim.get("replicas") is None:
+        return 1
     return 0 if result.chosen is not None else 1
 
 
