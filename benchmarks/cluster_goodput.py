@@ -359,9 +359,10 @@ def run_rates(
         spec = workload_spec(args, rate, seed=100 + i)
         sessions = build_workload(source, spec, tag=f"r{rate:g}")
         before = counters()
-        wall = asyncio.run(
-            run_sessions(url, MODEL, sessions, args.duration, desc=f"({system}) {rate:g} req/s")
-        )
+        with tier_sampler(system == "t") as samples:
+            wall = asyncio.run(
+                run_sessions(url, MODEL, sessions, args.duration, desc=f"({system}) {rate:g} req/s")
+            )
         time.sleep(3)  # vLLM's counters reach Ray's export within its 1 s report interval
         start = settled_at(sessions, args.warmup, args.duration)
         res = summarise(sessions, (start, args.duration), args.ttft_slo_s, args.tpot_slo_ms / 1e3)
@@ -374,9 +375,54 @@ def run_rates(
             "prefix_cache": hit_rates(before, counters()),
             "loadavg_after": os.getloadavg(),
         }
+        if samples:  # (t): every node's tier over the run, against its bound
+            res["host_tier"] = {"bound_bytes": int(args.host_gib * (1 << 30)),
+                                "samples": samples}  # fmt: skip
         out[f"{rate:g}"] = res
         _print(system, rate, res)
     return out
+
+
+TIER_SAMPLE_S = 10.0
+
+
+@contextlib.contextmanager
+def tier_sampler(on: bool) -> Iterator[list]:
+    """While the block runs, every :data:`TIER_SAMPLE_S`: per node tier, (seconds, bytes the
+    index counts, bytes of its files on tmpfs, entries) -- the host memory it takes."""
+    samples: list = []
+    if not on:
+        yield samples
+        return
+    import threading
+
+    from rbln_ray.vllm_plugin.host_tier import DEFAULT_ROOT, HostKVTier
+
+    stop, t0 = threading.Event(), time.monotonic()
+
+    def sample() -> None:
+        while not stop.wait(TIER_SAMPLE_S):
+            for root in sorted(DEFAULT_ROOT.glob("*")):
+                if not (root / "index.sqlite").is_file():
+                    continue
+                nbytes, entries = HostKVTier(root, 1, "").usage()
+                files = sum(_size(f) for f in root.glob("*.kv"))
+                samples.append([time.monotonic() - t0, root.name, nbytes, files, entries])
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # evicted since it was listed
+        return 0
 
 
 def rates_of(system: str, args: argparse.Namespace) -> list[float]:

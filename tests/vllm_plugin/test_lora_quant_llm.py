@@ -109,6 +109,34 @@ def runs(tmp_path_factory) -> dict:
             "requests": [],
         },
     ]
+    # the host KV tier with an adapter: adapter a's prompt, pushed off the 4 eager blocks by 8
+    # base prompts, comes back from the host for adapter a; the same prompt for the base
+    # model shares nothing of it (vLLM's block hashes fold the adapter in)
+    rng = random.Random(6)
+    tier_prompt = [rng.randrange(10, 4000) for _ in range(200)]
+    tier_fillers = _prompts(8, 7)
+    tier_requests = [
+        {**greedy_request(tier_prompt + [11], NEW), "lora": lora_of("a", a)},
+        *[greedy_request(f, NEW) for f in tier_fillers],
+        {**greedy_request(tier_prompt + [12, 13], NEW), "lora": lora_of("a", a)},
+        greedy_request(tier_prompt + [12, 13], NEW),
+    ]
+    tier_root = tmp_path_factory.mktemp("tier")
+    specs.append(
+        {
+            "model": str(hf),
+            "llm_kwargs": {
+                **lora_kwargs,
+                "kv_transfer_config": {
+                    "kv_connector": "RBLNHostKVConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"host_gib": 0.25, "root": str(tier_root)},
+                },
+            },
+            "requests": tier_requests,
+            "rpc": ["step_stats"],
+        }
+    )
     path = tmp_path_factory.mktemp("specs") / "runs.json"
     path.write_text(json.dumps({"runs": specs}))
     out = run_script("rbln_llm_run.py", f"@{path}", timeout=1500)["runs"]
@@ -121,7 +149,13 @@ def runs(tmp_path_factory) -> dict:
         "quantized": quantized,
         "quant_prompts": quant_prompts,
         "shared": shared,
+        "tier_prompt": tier_prompt,
+        "tier_fillers": tier_fillers,
     }
+
+
+def lora_of(name: str, path) -> dict:
+    return {"name": name, "id": 7 if name == "a" else 3, "path": str(path)}
 
 
 def test_lora_batch_mixes_base_and_two_adapters_token_exact(runs) -> None:
@@ -189,3 +223,24 @@ def test_quantized_checkpoints_match_the_dequantized_reference(runs, index, name
 def test_unservable_lora_and_quantization_settings_are_refused_at_start(runs, index, names):
     error = runs["out"][index].get("error", "")
     assert all(n in error for n in names), error
+
+
+def test_an_adapters_prefix_comes_back_from_the_host_tier_for_that_adapter_only(runs) -> None:
+    """Issue 45, acceptance 1: with the host KV tier, adapter a's 200-token prompt (pushed off
+    the device by 8 base prompts) is loaded back from the host for adapter a (its one full
+    128-token block), never for the base model's same prompt; every output equals transformers
+    with the adapter merged (or the base model)."""
+    result = runs["out"][9]
+    assert "error" not in result, result
+    hf, a = runs["hf"], runs["adapters"]["a"]
+    prompt = runs["tier_prompt"]
+    expected = [
+        hf_greedy_merged(hf, a, [prompt + [11]], NEW)[0],
+        *hf_greedy(hf, runs["tier_fillers"], NEW),
+        hf_greedy_merged(hf, a, [prompt + [12, 13]], NEW)[0],
+        hf_greedy(hf, [prompt + [12, 13]], NEW)[0],
+    ]
+    assert [o[0]["token_ids"] for o in result["outputs"]] == expected
+    stats = result["rpc"]["step_stats"][0]
+    assert stats["host_saves"] > 0 and stats["host_load_failures"] == 0
+    assert stats["host_loads"] == 1 and stats["host_load_tokens"] == 128
