@@ -10,6 +10,9 @@ What the router knows, per replica:
 
 * **what it caches**: each replica reports the blocks its prefix cache holds
   (:mod:`rbln_ray.serve.kv_events`, from vLLM's KV cache events) as Serve ``routing_stats``,
+  and, with a host KV tier, the blocks its device dropped that its node's tier holds (the
+  replicas of one node share that tier, so each replica is credited with what any replica
+  of its node put there: :meth:`CacheAwareRouter._host_by_node`),
   keyed by :func:`~rbln_ray.serve.kv_index.chain_hashes` of their tokens. The router
   tokenizes a request's prompt as the replica will (the model's tokenizer and chat template)
   and counts how many of its leading blocks each replica holds;
@@ -27,7 +30,9 @@ What the router knows, per replica:
 Choice (:func:`order_candidates`): the replica where the request's first token comes soonest.
 Per replica that is the wait for a decode slot (a replica running ``B`` requests, the
 compiled batch, frees one every ``service / B`` seconds, and the request waits for as many as
-are ahead of it) plus the prefill of the prompt tokens past the prefix it holds. (Prefills
+are ahead of it) plus the prefill of the prompt tokens past the prefix it holds (tokens its
+node's host tier holds cost a transfer instead: :data:`HOST_LOAD_FRACTION` of a prefill;
+priced on the full scan, below :data:`EXACT_SCAN_MAX` replicas). (Prefills
 ahead of it on a replica with free slots are not priced: requests of a burst sharing a
 prefix then wait for its one prefill on one replica instead of each prefilling it on
 another, which would be sooner for each and slower for all.) So a turn stays where its
@@ -82,7 +87,12 @@ from typing import Any
 import numpy as np
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from rbln_ray.serve.kv_events import STATS_BLOCK_SIZE, STATS_BLOCKS, STATS_EVENTS
+from rbln_ray.serve.kv_events import (
+    STATS_BLOCK_SIZE,
+    STATS_BLOCKS,
+    STATS_EVENTS,
+    STATS_HOST_BLOCKS,
+)
 from rbln_ray.serve.kv_index import (
     HolderIndex,
     chain_hashes,
@@ -105,6 +115,11 @@ RECENT_TTL_S = 5.0
 STATS_PERIOD_S = 1.0  # request_routing_stats_period_s of cache-aware deployments
 MAX_SESSIONS = 100_000  # remembered session -> replica pairs (least recently used dropped)
 MAX_PENDING = 4096  # requests whose routing inputs are cached while they wait for a replica
+# What a token its node's host KV tier holds costs against a prefilled one: its KV crosses the
+# host link (llama-3-8b on ATOM: 128 KiB at ~50 GB/s, ~2.6 us) where a prefill computes it
+# (~0.8 ms: npu/cost_model.py). Deliberately pessimistic: the choice only needs its order of
+# magnitude.
+HOST_LOAD_FRACTION = 0.01
 # Up to this many replicas every decision scores every replica (the order every figure up to
 # 8 replicas was measured with: BENCHMARKS 15); beyond, the indexed path (module docstring),
 # which is cheaper from about there on (BENCHMARKS, "Fleet simulation").
@@ -132,6 +147,7 @@ class Candidate:
     capacity: int  # max_ongoing_requests
     held_blocks: int  # leading blocks of this prompt the replica holds
     ttft_s: float | None = None  # estimated time to this request's first token there
+    host_blocks: int = 0  # blocks past those its node's host KV tier holds
 
 
 @dataclass(frozen=True)
@@ -143,12 +159,16 @@ class ServiceRates:
     service_s: float  # how long a request holds a decode slot
 
 
-def estimate_ttft(rates: ServiceRates, batch_size: int, load: int, uncached_tokens: int) -> float:
+def estimate_ttft(
+    rates: ServiceRates, batch_size: int, load: int, uncached_tokens: int, host_tokens: int = 0
+) -> float:
     """Seconds to a request's first token on a replica carrying ``load`` requests (running and
-    queued) with ``batch_size`` decode slots, that must prefill ``uncached_tokens``."""
+    queued) with ``batch_size`` decode slots, that must prefill ``uncached_tokens`` and load
+    ``host_tokens`` from its node's host KV tier."""
     ahead = max(0, load - batch_size + 1)  # requests that must end before a slot frees
     slot_wait = ahead * rates.service_s / max(1, batch_size)
-    return slot_wait + uncached_tokens * rates.prefill_s_per_token
+    loads = host_tokens * rates.prefill_s_per_token * HOST_LOAD_FRACTION
+    return slot_wait + uncached_tokens * rates.prefill_s_per_token + loads
 
 
 def order_candidates(
@@ -662,9 +682,21 @@ class CacheAwareRouter(RequestRouter):
             slot = self._slot(rid)
             self._holders.remove(slot, old - keys)
             self._holders.add(slot, keys - old)
-            cached = (events, keys, stats.get(STATS_BLOCK_SIZE))
+            host = report_keys(stats.get(STATS_HOST_BLOCKS))
+            cached = (events, keys, stats.get(STATS_BLOCK_SIZE), host)
             self._reports[rid] = cached
         return cached[1], cached[2]
+
+    def _host_by_node(self, candidates: list[RunningReplica]) -> dict[Any, frozenset[int]]:
+        """Per node, the keys its host KV tier holds: every replica of it reports the blocks
+        its own device dropped into the tier they share."""
+        nodes: dict[Any, set[int]] = {}
+        for replica in candidates:
+            self._held(replica)
+            host = self._reports[replica.replica_id.unique_id][3]
+            if host:
+                nodes.setdefault(getattr(replica, "node_id", None), set()).update(host)
+        return {node: frozenset(keys) for node, keys in nodes.items()}
 
     def _block_size(self, candidates: list[RunningReplica]) -> int:
         for replica in candidates:
@@ -689,7 +721,11 @@ class CacheAwareRouter(RequestRouter):
         )
 
     def _candidate(
-        self, replica: RunningReplica, request: _Request, rates: ServiceRates | None
+        self,
+        replica: RunningReplica,
+        request: _Request,
+        rates: ServiceRates | None,
+        host: dict[Any, frozenset[int]] | None = None,
     ) -> Candidate:
         rid = replica.replica_id.unique_id
         reported, _ = self._held(replica)
@@ -698,17 +734,21 @@ class CacheAwareRouter(RequestRouter):
         load = max(self._load[rid], cached_len)
         keys = request.chain(request.block_size)
         held = held_prefix(keys, reported, recent)
+        node_host = (host or {}).get(getattr(replica, "node_id", None))
+        hosted = held_prefix(keys[held:], node_host) if node_host else 0
         ttft = None
         if rates is not None:
             tokens = len(request.tokens or ())
-            uncached = max(0, tokens - held * request.block_size)
-            ttft = estimate_ttft(rates, self._batch_size, load, uncached)
+            covered = min(tokens, (held + hosted) * request.block_size)
+            loaded = max(0, covered - held * request.block_size)
+            ttft = estimate_ttft(rates, self._batch_size, load, tokens - covered, loaded)
         return Candidate(
             replica_id=rid,
             load=load,
             capacity=replica.max_ongoing_requests,
             held_blocks=held,
             ttft_s=ttft,
+            host_blocks=hosted,
         )
 
     # ------------------------------------------------------------------ the indexed path
@@ -900,8 +940,9 @@ class CacheAwareRouter(RequestRouter):
         self._indexed_block_size = request.block_size  # the next requests' keys' size
         rates = self._rates(candidate_replicas)
         session_replica = self._sessions.get(request.session) if request.session else None
+        host = self._host_by_node(candidate_replicas)
         order = order_candidates(
-            [self._candidate(r, request, rates) for r in candidate_replicas],
+            [self._candidate(r, request, rates, host) for r in candidate_replicas],
             session_replica,
             request.key,
             self._batch_size,

@@ -28,6 +28,7 @@ POLL_MS = 200  # how often the listener thread looks at its stop flag while idle
 STATS_BLOCK_SIZE = "kv_block_size"
 STATS_BLOCKS = "kv_blocks"
 STATS_EVENTS = "kv_events"
+STATS_HOST_BLOCKS = "kv_host_blocks"  # held in the node's host KV tier, not on the device
 
 
 class KVEventListener:
@@ -40,6 +41,9 @@ class KVEventListener:
         self._dir = Path(tempfile.mkdtemp(prefix="rbln-ray-kv-", dir=envs.VLLM_RPC_BASE_PATH))
         self.endpoint = f"ipc://{self._dir / 'events'}"
         self.index = CachedBlocks()
+        # The node's host KV tier, when the engine has one (rbln_ray.vllm_plugin.host_tier):
+        # blocks the device drops that it holds are reported as held there.
+        self.tier: Any = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._connected = threading.Event()
@@ -60,13 +64,21 @@ class KVEventListener:
         return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=self.endpoint)
 
     def report(self) -> dict[str, Any]:
-        """The replica's ``routing_stats``: the block size and the keys of held blocks."""
+        """The replica's ``routing_stats``: the block size, the keys of blocks held on the
+        device, and of those held only in the node's host tier."""
         with self._lock:
+            if self.tier is not None:
+                self.index.prune_host(self._in_tier)
             return {
                 STATS_BLOCK_SIZE: self.index.block_size,
                 STATS_BLOCKS: self.index.keys(),
+                STATS_HOST_BLOCKS: self.index.host_keys(),
                 STATS_EVENTS: self.index.events,
             }
+
+    def _in_tier(self, hashes: list[Any]) -> set[Any]:
+        held = self.tier.held_hashes(hashes)
+        return {h for h in hashes if isinstance(h, bytes) and h in held}
 
     def close(self) -> None:
         self._stop.set()
@@ -90,7 +102,8 @@ class KVEventListener:
                         event.extra_keys,
                     )
                 elif isinstance(event, BlockRemoved):
-                    self.index.removed(event.block_hashes)
+                    in_tier = self._in_tier if self.tier is not None else None
+                    self.index.removed(event.block_hashes, in_tier)
                 elif isinstance(event, AllBlocksCleared):
                     self.index.cleared()
 

@@ -125,6 +125,8 @@ class CachedBlocks:
 
     def __init__(self) -> None:
         self._keys: dict[Hashable, bytes] = {}  # vLLM block hash -> our key
+        # Blocks the device dropped that the node's host KV tier holds (vLLM hash -> key)
+        self.host: dict[Hashable, bytes] = {}
         self.block_size: int | None = None
         self.events = 0  # events applied (reports say how fresh they are)
 
@@ -143,22 +145,44 @@ class CachedBlocks:
             key = ROOT
         elif parent in self._keys:
             key = self._keys[parent]
+        elif parent in self.host:  # loaded back from the host tier
+            key = self.host[parent]
         else:
             return
         self.block_size = block_size
         for i, block_hash in enumerate(block_hashes):
+            self.host.pop(block_hash, None)  # back on the device
             extra = extra_keys[i] if extra_keys and i < len(extra_keys) else None
             key = _key(key, token_ids[i * block_size : (i + 1) * block_size], extra)
             self._keys[block_hash] = key
 
-    def removed(self, block_hashes: Iterable[Hashable]) -> None:
+    def removed(
+        self, block_hashes: Iterable[Hashable], in_host: Callable[[list], set] | None = None
+    ) -> None:
+        """Blocks evicted from the device; those ``in_host`` says the host tier holds (a
+        filter over vLLM hashes) stay known as held there."""
         self.events += 1
-        for block_hash in block_hashes:
-            self._keys.pop(block_hash, None)
+        gone = [(h, self._keys.pop(h)) for h in block_hashes if h in self._keys]
+        if in_host is not None and gone:
+            kept = in_host([h for h, _ in gone])
+            self.host.update((h, key) for h, key in gone if h in kept)
+
+    def prune_host(self, in_host: Callable[[list], set]) -> None:
+        """Forget host-held blocks the tier no longer holds (evicted by any engine)."""
+        if self.host:
+            kept = in_host(list(self.host))
+            self.host = {h: k for h, k in self.host.items() if h in kept}
+
+    def host_keys(self) -> list[int]:
+        """Keys of the blocks held only in the host tier (sorted)."""
+        device = set(self._keys.values())
+        return sorted({int.from_bytes(k, "big", signed=True) for k in self.host.values()
+                       if k not in device})  # fmt: skip
 
     def cleared(self) -> None:
         self.events += 1
         self._keys.clear()
+        self.host.clear()
 
     def __len__(self) -> int:
         return len(self._keys)

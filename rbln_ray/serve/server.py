@@ -148,11 +148,13 @@ class LLMServer:
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
         from rbln_ray.common.logging_setup import apply_process_defaults, setup_logging
+        from rbln_ray.compile.artifact import is_compiled_dir
         from rbln_ray.emulator import ensure_runtime
         from rbln_ray.serve import remote_media  # registers its media connector with vLLM
         from rbln_ray.serve.audio import replica_env
         from rbln_ray.serve.replica_bind import bind_replica_grpc_to_loopback
         from rbln_ray.serve.warmup import warm_up
+        from rbln_ray.vllm_plugin.host_kv_connector import on_node, tier_for
         from rbln_ray.vllm_plugin.platform import compiled_artifact
 
         bind_replica_grpc_to_loopback()
@@ -174,6 +176,10 @@ class LLMServer:
         limits_cfg = RequestLimits.model_validate(limits or {})
         os.environ.update(replica_env(limits_cfg))  # vLLM's audio decode cap: the app's
         args = engine_namespace(self.cfg, resolve_model_path(self.cfg.model), limits_cfg)
+        # a host KV tier (kv_transfer_config: RBLNHostKVConnector) is this node's
+        args.kv_transfer_config = on_node(
+            args.kv_transfer_config, ray.get_runtime_context().get_node_id()
+        )
         self._kv_events = None
         self._service_times = None
         stat_loggers: list[Any] = [RayPrometheusStatLogger]
@@ -183,6 +189,8 @@ class LLMServer:
 
             self._kv_events = KVEventListener.start()
             args.kv_events_config = self._kv_events.engine_config()
+            if is_compiled_dir(args.model):  # its host tier's blocks count as held there
+                self._kv_events.tier = tier_for(args.kv_transfer_config, args.model)
             self._service_times = ServiceTimes()
             stat_loggers.append(self._service_times.stat_logger())
         engine_args = AsyncEngineArgs.from_cli_args(args)
