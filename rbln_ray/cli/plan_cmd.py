@@ -6,6 +6,7 @@
     rbln-ray plan --model path/to/hf_dir ... --json
     rbln-ray plan --model llama-3-8b --weights int8 --kv-cache-dtype fp8 ...
     rbln-ray plan --model llama-3-8b --lora-adapters 4 --max-lora-rank 16 ...
+    rbln-ray plan --model llama-3-8b --input-len 3000 --output-len 128 --rate 4 --host-gib 64
     rbln-ray plan --model llama-3-8b --input-len 2048 --output-len 80 --rate 12 --simulate
 
 Estimates come from the cost model of the chosen device (ATOM by default, or
@@ -31,6 +32,7 @@ from typing import Any
 from rbln_ray.npu import kinds
 from rbln_ray.npu.cost_model import PRESETS, SPECS, DeviceSpec, ModelShape, shape_from_spec
 from rbln_ray.planning import Limits, Plan, Workload, compiled_shape, plan, shape_from_dims
+from rbln_ray.planning.host_tier import HostTierSizing, describe, size_host_tier
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--tpot-slo-ms", type=float)
     w.add_argument("--ttft-slo-ms", type=float)
     w.add_argument("--host-ms-per-step", type=float, default=0.0)
+    w.add_argument(
+        "--host-gib", type=float, help="host KV tier per node (GiB): what it holds, and costs"
+    )
     h = p.add_argument_group(
         "hardware model (default: the device's figures; see rbln_ray/npu/cost_model.py)"
     )
@@ -356,13 +361,36 @@ def render_simulation(sim: dict) -> str:
     return "\n".join(lines)
 
 
+def host_tier(result: Plan, args: argparse.Namespace) -> HostTierSizing | None:
+    """``--host-gib``: the node tier's sizing for the chosen option."""
+    chosen = result.chosen
+    if args.host_gib is None or chosen is None:
+        return None
+    per_node = min(chosen.cards, args.cards_per_node)
+    return size_host_tier(
+        with_flags(_shape(args), args),
+        device_spec(args),
+        args.host_gib,
+        args.input_len,
+        chosen.prefill_ms,
+        chosen.kv_per_device_gib,
+        per_node,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     result = build(args)
     sim = simulate(result, args) if args.simulate else None
+    tier = host_tier(result, args)
     if args.json:
-        print(json.dumps({**result.to_dict(), **({"simulation": sim} if sim else {})}, indent=2))
+        extra = {"simulation": sim} if sim else {}
+        if tier is not None:
+            extra["host_tier"] = tier.to_dict()
+        print(json.dumps({**result.to_dict(), **extra}, indent=2))
     else:
         print(render(result, show_all=args.all))
+        if tier is not None:
+            print(describe(tier))
         if sim is not None:
             print(render_simulation(sim))
     if sim is not None and sim.get("replicas") is None:

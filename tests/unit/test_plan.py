@@ -177,3 +177,18 @@ def replace_lora(shape, source):
         lora_rank=source.lora_rank,
         lora_modules=source.lora_modules,
     )
+
+
+def test_host_tier_sizing_for_a_node(capsys) -> None:
+    """``--host-gib``: llama-3-8b keeps 2 x 32 layers x 8 KV heads x 128 x 2 bytes = 128 KiB
+    of KV per token, so 64 GiB hold 524,288 tokens; a 3,000-token prefix crosses PCIe 5.0 x16
+    (63 GB/s at 80 %) in 7.8 ms plus one call (0.1 ms), far less than its prefill."""
+    args = ["--model", "llama-3-8b", "--input-len", "3000", "--output-len", "128", "--rate",
+            "4", "--host-gib", "64", "--json"]  # fmt: skip
+    assert plan_main(args) == 0
+    tier = json.loads(capsys.readouterr().out)["host_tier"]
+    assert tier["tier_tokens"] == 64 * 2**30 // (2 * 32 * 8 * 128 * 2) == 524_288
+    assert abs(tier["load_ms"] - (3000 * 131072 / (63e9 * 0.8) * 1e3 + 0.1)) < 1e-6
+    assert tier["prefill_ms"] > 100 * tier["load_ms"]
+    assert plan_main(args[:-1]) == 0
+    assert "host KV tier: 64 GiB per node holds 524,288 tokens" in capsys.readouterr().out
