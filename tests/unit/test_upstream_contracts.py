@@ -16,11 +16,12 @@ from rbln_ray.upstream import (
     contract,
     optimum_internals,
     ray_internals,
+    rebel_internals,
     torch_internals,
     vllm_internals,
 )
 
-ADAPTERS = (vllm_internals, ray_internals, optimum_internals, torch_internals)
+ADAPTERS = (vllm_internals, ray_internals, optimum_internals, torch_internals, rebel_internals)
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -67,6 +68,8 @@ def test_private_upstream_modules_are_imported_only_by_the_adapters() -> None:
         "token_ids_cpu",
         "num_tokens_no_spec",
         "add_port_to_grpc_server",
+        "_copy_kv_cache",
+        "_actions",
     }
     offenders = []
     for path in sorted((ROOT / "rbln_ray").rglob("*.py")):
