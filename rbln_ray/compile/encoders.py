@@ -71,15 +71,14 @@ class EncoderArtifact:
         )
 
 
-def compile_encoder(hf_dir: str | Path, out_dir: str | Path, settings: CompileSettings) -> Path:
-    """Compile ``hf_dir`` with its optimum-rbln encoder class: one graph of ``batch_size`` x
-    ``max_seq_len`` tokens on one device; returns ``out_dir``. Decoder-only settings
-    (attention, KV blocks, decode batches) do not apply and are refused when set."""
+def compile_encoder(
+    hf_dir: str | Path, out_dir: str | Path, settings: CompileSettings, family: EncoderFamily
+) -> Path:
+    """Compile ``hf_dir`` with its family's optimum-rbln encoder class: one graph of
+    ``batch_size`` x ``max_seq_len`` tokens on one device; returns ``out_dir``. Decoder-only
+    settings (attention, KV blocks, decode batches) do not apply and are refused when set."""
     from rbln_ray.emulator.switch import require_runtime
 
-    family = encoder_for_dir(hf_dir)
-    if family is None:
-        raise ValueError(f"{hf_dir} is not an encoder rbln-ray compiles")
     decoder_only = {
         k: v
         for k, v in settings.cache_fields().items()

@@ -6,9 +6,11 @@ matrices all ask "is this model supported, how is it compiled, what does it supp
 a tiny one built, which test verifies it"; they read it here, so they cannot disagree
 (``tests/unit/test_families.py`` renders the matrices and compares them with the README).
 A family with code of its own (a processor subclass, vLLM's view of a vision-language
-architecture, how its prompts become embeddings) has one module named after it in this
-package, which its record names (``module``). :func:`get_rbln_model_info` is the lookup
-Rebellions' vllm-rbln exposes under the same name (``utils/optimum/registry.py``).
+architecture, how its prompts become embeddings, how a speech model is compiled) has one
+module named after it in this package, which its record names (``module``); what that module
+provides is its kind's contract (:mod:`rbln_ray.families.contract`), which :meth:`Family.code`
+checks. :func:`get_rbln_model_info` is the lookup Rebellions' vllm-rbln exposes under the same name
+(``utils/optimum/registry.py``).
 
 A family is *supported* when a tiny model of it, built locally by :mod:`rbln_ray.models`,
 compiled with optimum-rbln 0.12 on the emulator and served by ``vllm.LLM`` is greedy
@@ -24,10 +26,10 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any, ClassVar
 
 from rbln_ray.common.artifact_files import HF_CONFIG, architectures
+from rbln_ray.families.contract import FamilyCode, SpeechCode, VisionCode
 from rbln_ray.families.tiny import TinyRecipe
 
 GREEDY_TEST = "tests/vllm_plugin/test_zoo_greedy.py::test_family_greedy_matches_transformers"
@@ -47,6 +49,9 @@ class Family:
     """What every kind of family has."""
 
     kind: ClassVar[str] = ""
+    # The contract its module's code keeps (rbln_ray.families.contract); a kind whose
+    # contract is more than FamilyCode requires a module.
+    contract: ClassVar[type[FamilyCode]] = FamilyCode
     name: str  # rbln-ray's family name (``rbln-ray build-model <name>``)
     architecture: str  # transformers class, ``config.json`` ``architectures[0]``
     optimum_class: str  # the optimum-rbln class that compiles and runs it
@@ -60,11 +65,31 @@ class Family:
         """The optimum-rbln config class an artifact's ``rbln_config.json`` records."""
         return self.optimum_class + "Config"
 
-    def code(self) -> ModuleType:
-        """The family's own module (imported on first use: it may import vLLM)."""
+    def code(self) -> Any:
+        """The family's code (its module's ``CODE``, imported on first use: it may import
+        vLLM), checked against its kind's contract."""
         if not self.module:
             raise LookupError(f"family {self.name} has no module of its own")
-        return importlib.import_module(f"rbln_ray.families.{self.module}")
+        found = _CODE.get(self.name)
+        if found is None:
+            module = importlib.import_module(f"rbln_ray.families.{self.module}")
+            found = getattr(module, "CODE", None)
+            if not isinstance(found, self.contract):
+                raise TypeError(
+                    f"{module.__name__}.CODE is {type(found).__name__}, not a "
+                    f"{self.contract.__name__} (rbln_ray.families.contract)"
+                )
+            if found.missing():
+                raise TypeError(
+                    f"{module.__name__}.CODE ({type(found).__name__}) sets no "
+                    f"{', '.join(found.missing())}, which {self.contract.__name__} requires"
+                )
+            _CODE[self.name] = found
+        return found
+
+
+# Family name -> its checked code (Family.code).
+_CODE: dict[str, FamilyCode] = {}
 
 
 @dataclass(frozen=True)
@@ -164,6 +189,7 @@ class SpeechFamily(Family):
     of one batch of rows; served through vLLM's transcription front end."""
 
     kind: ClassVar[str] = "speech"
+    contract: ClassVar[type[FamilyCode]] = SpeechCode
     tasks: tuple[str, ...] = ("transcribe", "translate")
     examples: str = ""
 
@@ -175,6 +201,7 @@ class VisionFamily(Family):
     view, prompt embeddings, tiny recipe)."""
 
     kind: ClassVar[str] = "vision"
+    contract: ClassVar[type[FamilyCode]] = VisionCode
     vision_tower: str = ""  # the optimum-rbln class that encodes an image
     # The decoder family of its language model; or, when rbln-ray serves no text-only family
     # of it (optimum-rbln 0.12 compiles EXAONE-4 only inside EXAONE-4.5), its transformers
@@ -556,6 +583,7 @@ _FAMILIES: tuple[Family, ...] = (
         "WhisperForConditionalGeneration",
         "RBLNWhisperForConditionalGeneration",
         {"": SPEECH_TEST},
+        module="whisper",
         examples="whisper-small, whisper-large-v3",
     ),
     # ---------------------------------------------------------------- vision-language

@@ -27,7 +27,7 @@ DECODER = "optimum.rbln.transformers.models.decoderonly"
 ARCH = f"{DECODER}.decoderonly_architecture"
 PIPELINE_PY = "rbln_ray/compile/pipeline_compile.py"
 STAGE_PY = "rbln_ray/compile/stage_graph.py"
-QWEN2_VL_PY = "rbln_ray/families/qwen2_vl.py"
+QWEN_VL_PY = "rbln_ray/families/qwen_vl_base.py"
 RUNNER_PY = "rbln_ray/vllm_plugin/model_runner.py"
 SPEC_PY = "rbln_ray/compile/spec_graphs.py"
 MODELING = f"{DECODER}.modeling_decoderonly:RBLNDecoderOnlyModelForCausalLM"
@@ -100,7 +100,7 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     *(
         Requirement(
             f"optimum.rbln.transformers.models.{module}:{cls}._get_position_embeddings",
-            QWEN2_VL_PY,
+            QWEN_VL_PY,
             params=("hidden_states", "position_ids"),
         )
         for module, cls in (

@@ -4,6 +4,7 @@ rejected config values, and the sliding-window cache slots."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ from rbln_ray.families import matrix
 from rbln_ray.families.registry import (
     DECODERS,
     ENCODERS,
+    FAMILIES,
     GREEDY_TEST,
     LLM_GREEDY_TEST,
     POOLING_DECODERS,
@@ -24,6 +26,7 @@ from rbln_ray.families.registry import (
     UNSUPPORTED,
     VISION,
     UnsupportedModelError,
+    VisionFamily,
     family_for_dir,
     get_rbln_model_info,
     vision_for_dir,
@@ -228,7 +231,6 @@ def test_every_record_names_real_classes_and_consumers_read_the_registry() -> No
 
     from rbln_ray.cli.main import parser
     from rbln_ray.emulator import ensure_runtime
-    from rbln_ray.families.registry import FAMILIES
     from rbln_ray.vllm_plugin import declarations
 
     ensure_runtime()  # optimum-rbln imports rebel
@@ -250,22 +252,71 @@ def test_every_record_names_real_classes_and_consumers_read_the_registry() -> No
     assert set(declarations()) == {f.architecture for f in VISION.values() if f.declaration}
 
 
-@pytest.mark.parametrize("name", list(VISION))
-def test_each_vision_family_module_keeps_the_module_contract(name: str) -> None:
-    """What the builder, the compile, the runner and vLLM's registry take from a family's
-    module (rbln_ray.families.vision_base) is there."""
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_registered_family_keeps_its_kinds_contract(name: str) -> None:
+    """What the compile, the builders, the runner and vLLM's registry take from a family's
+    code is there, as its kind's contract (rbln_ray.families.contract) says: a kind with a
+    contract of its own has a module, named after the family, whose ``CODE`` implements it."""
+    from rbln_ray.families.contract import FamilyCode, SpeechCode, VisionCode
     from rbln_ray.families.vision_base import Declaration, PromptEmbedder
     from rbln_ray.vllm_plugin import declarations
 
-    fam = VISION[name]
+    fam = FAMILIES[name]
+    if fam.contract is FamilyCode:  # decoders, encoders, pooling decoders: the record is all
+        assert not fam.module, f"{name} names a module its kind's contract does not use"
+        return
+    assert fam.module == name  # one module, named after the family
     code = fam.code()
-    assert code.__name__ == f"rbln_ray.families.{name}"  # one module, named after the family
+    assert isinstance(code, fam.contract) and code.missing() == []
+    assert fam.code() is code  # imported and checked once
+    if isinstance(code, SpeechCode):
+        assert code.decoder_length({}) > 0
+        assert code.rbln_kwargs(4)["rbln_batch_size"] == 4
+        return
+    assert isinstance(code, VisionCode) and isinstance(fam, VisionFamily)
     # PLACEHOLDER is empty only where the processor places images itself
     assert code.PLACEHOLDER or fam.images_at_start
-    assert set(code.SPECIAL_TOKENS) and callable(code.tiny_model)
-    if "video" in fam.inputs:  # what one video is in a prompt
-        assert code.VIDEO_PLACEHOLDER
+    assert set(code.SPECIAL_TOKENS)
+    for placeholder in (code.PLACEHOLDER, code.VIDEO_PLACEHOLDER):  # made of special tokens
+        for token in sorted(code.SPECIAL_TOKENS, key=len, reverse=True):
+            placeholder = placeholder.replace(token, "")
+        assert placeholder == ""
+    assert bool(code.VIDEO_PLACEHOLDER) == ("video" in fam.inputs)
     assert issubclass(code.Embedder, PromptEmbedder)
     if fam.declaration:
         module, _, cls = declarations()[fam.architecture].partition(":")
-        assert module == code.__name__ and issubclass(getattr(code, cls), Declaration)
+        declaration = getattr(importlib.import_module(module), cls)
+        assert module == f"rbln_ray.families.{name}" and issubclass(declaration, Declaration)
+        assert set(declaration.PLACEHOLDERS) == set(fam.inputs)
+        for modality in fam.inputs:
+            expected = code.VIDEO_PLACEHOLDER if modality == "video" else code.PLACEHOLDER
+            assert declaration.get_placeholder_str(modality, 1) == (expected or None)
+
+
+def test_a_family_module_that_breaks_the_contract_is_named() -> None:
+    """Family.code refuses a module whose CODE is not its kind's contract, or leaves a
+    required member unset, naming what is wrong (before any caller would trip on it)."""
+    import sys
+    import types
+
+    from rbln_ray.families.contract import VisionCode
+
+    class Incomplete(VisionCode):
+        PLACEHOLDER = "<image>"
+
+        def tiny_model(self, spec, tokenizer):
+            raise NotImplementedError
+
+    for module, code, message in (
+        ("_contract_probe_a", object(), "not a VisionCode"),
+        ("_contract_probe_b", Incomplete(), "sets no SPECIAL_TOKENS, Embedder"),
+    ):
+        fake = types.ModuleType(f"rbln_ray.families.{module}")
+        fake.CODE = code
+        sys.modules[fake.__name__] = fake
+        try:
+            record = VisionFamily(module, "X", "RBLNX", module=module)
+            with pytest.raises(TypeError, match=message):
+                record.code()
+        finally:
+            del sys.modules[f"rbln_ray.families.{module}"]
