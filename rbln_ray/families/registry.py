@@ -9,7 +9,9 @@ A family with code of its own (a processor subclass, vLLM's view of a vision-lan
 architecture, how its prompts become embeddings, how a speech model is compiled) has one
 module named after it in this package, which its record names (``module``); what that module
 provides is its kind's contract (:mod:`rbln_ray.families.contract`), which :meth:`Family.code`
-checks. :func:`get_rbln_model_info` is the lookup Rebellions' vllm-rbln exposes under the same name
+checks. Facts the layers below this one need (the cost model's gated MLP) are passed down from
+here as data (:func:`rbln_ray.npu.cost_model.declare_ungated_mlp`): they cannot ask.
+:func:`get_rbln_model_info` is the lookup Rebellions' vllm-rbln exposes under the same name
 (``utils/optimum/registry.py``).
 
 A family is *supported* when a tiny model of it, built locally by :mod:`rbln_ray.models`,
@@ -30,7 +32,8 @@ from typing import Any, ClassVar
 
 from rbln_ray.common.artifact_files import HF_CONFIG, architectures
 from rbln_ray.families.contract import FamilyCode, SpeechCode, VisionCode
-from rbln_ray.families.tiny import TinyRecipe
+from rbln_ray.families.tiny import LATER_SHAPE_FIELDS, ROBERTA_PAIR, TinyRecipe
+from rbln_ray.npu.cost_model import declare_ungated_mlp
 
 GREEDY_TEST = "tests/vllm_plugin/test_zoo_greedy.py::test_family_greedy_matches_transformers"
 # The four decoder families verified before the zoo, by the original greedy test.
@@ -122,6 +125,9 @@ class DecoderFamily(Family):
     # test_lora_quant_graphs.py (greedy against merged / dequantized transformers).
     lora: bool = False
     quantization: bool = False
+    # The MLP has a gate (gate/up/down: Llama, Gemma, Mixtral...); False: up and down only
+    # (GPT-2, OPT, Phi). The cost model counts its matrices (passed down by model_type).
+    gated_mlp: bool = True
 
     def compile_options(self, hf_config: Mapping[str, Any]) -> tuple[dict, dict]:
         """(extra ``rbln_config`` entries, extra Hugging Face loading options)."""
@@ -220,6 +226,10 @@ class VisionFamily(Family):
     # The class of the family's module vLLM's registry gets for the architecture when vLLM's
     # own module cannot be imported here ("": vLLM's own serves the front end).
     declaration: str = ""
+    # The decoder takes the cos/sin of M-RoPE positions (``position_embed``), computed on
+    # the host by optimum-rbln's model class (``_get_position_embeddings``: an internal the
+    # contract test checks for exactly these families' classes).
+    mrope: bool = False
 
     @property
     def tiny_language_family(self) -> str:
@@ -243,7 +253,7 @@ MOE_TOP_K = {"num_experts_per_tok": "$experts_per_token"}
 # and position_embedding_type, which transformers 5 no longer writes but vLLM 0.30 reads to
 # tell Jina's rotary XLM-R apart.
 ROBERTA = {
-    "max_position_embeddings": "$roberta_positions",
+    "max_position_embeddings": "$positions_after_pad",
     "type_vocab_size": 1,
     "bos_token_id": "$bos",
     "eos_token_id": "$eos",
@@ -259,6 +269,7 @@ _FAMILIES: tuple[Family, ...] = (
         "RBLNLlamaForCausalLM",
         "llama",
         verified_by={impl: f"{LLM_GREEDY_TEST}[llama-{impl}]" for impl in ("eager", "flash_attn")},
+        tiny=TinyRecipe("LlamaConfig", keyed_late=LATER_SHAPE_FIELDS),
         lora=True,
         quantization=True,
     ),
@@ -271,7 +282,7 @@ _FAMILIES: tuple[Family, ...] = (
             "eager": f"{LLM_GREEDY_TEST}[qwen2-eager]",
             "flash_attn": f"{GREEDY_TEST}[qwen2-flash_attn]",
         },
-        tiny=TinyRecipe("Qwen2Config"),
+        tiny=TinyRecipe("Qwen2Config", keyed_late=LATER_SHAPE_FIELDS),
         lora=True,
     ),
     _zoo(
@@ -283,7 +294,7 @@ _FAMILIES: tuple[Family, ...] = (
             "eager": f"{GREEDY_TEST}[qwen3-eager]",
             "flash_attn": f"{LLM_GREEDY_TEST}[qwen3-flash_attn]",
         },
-        tiny=TinyRecipe("Qwen3Config", {"head_dim": HEAD_DIM}),
+        tiny=TinyRecipe("Qwen3Config", {"head_dim": HEAD_DIM}, keyed_late=LATER_SHAPE_FIELDS),
         # no LoRA: optimum-rbln 0.12's Qwen3Attention never wraps its projections in LoRA
         # layers yet calls them with an adapter id (TypeError at compile)
         quantization=True,
@@ -295,7 +306,11 @@ _FAMILIES: tuple[Family, ...] = (
         "mistral",
         attention="optional",
         notes="verified with sliding_window set (every layer slides)",
-        tiny=TinyRecipe("MistralConfig", {"sliding_window": "$sliding_window"}),
+        tiny=TinyRecipe(
+            "MistralConfig",
+            {"sliding_window": "$sliding_window"},
+            keyed_late=LATER_SHAPE_FIELDS,
+        ),
     ),
     _zoo(
         "gemma",
@@ -363,6 +378,7 @@ _FAMILIES: tuple[Family, ...] = (
         "GPT2LMHeadModel",
         "RBLNGPT2LMHeadModel",
         "gpt2",
+        gated_mlp=False,
         tiny=TinyRecipe(
             "GPT2Config",
             rename={
@@ -380,6 +396,7 @@ _FAMILIES: tuple[Family, ...] = (
         "OPTForCausalLM",
         "RBLNOPTForCausalLM",
         "opt",
+        gated_mlp=False,
         tiny=TinyRecipe(
             "OPTConfig",
             {"word_embed_proj_dim": "$hidden_size"},
@@ -392,6 +409,7 @@ _FAMILIES: tuple[Family, ...] = (
         "PhiForCausalLM",
         "RBLNPhiForCausalLM",
         "phi",
+        gated_mlp=False,
         # Full multi-head attention and an MLP of 4 x hidden, as Phi-1/2 checkpoints have:
         # vLLM 0.30's Phi reads neither num_key_value_heads nor intermediate_size.
         tiny=TinyRecipe(
@@ -488,7 +506,7 @@ _FAMILIES: tuple[Family, ...] = (
         "XLMRobertaModel",
         "RBLNXLMRobertaModel",
         {"": EMBED_TEST},
-        tiny=TinyRecipe("XLMRobertaConfig", ROBERTA, framing="roberta"),
+        tiny=TinyRecipe("XLMRobertaConfig", ROBERTA, framing=ROBERTA_PAIR),
         examples="bge-m3, multilingual-e5",
     ),
     # Cross-encoder rerankers (no segment ids: RoBERTa has one)
@@ -498,7 +516,7 @@ _FAMILIES: tuple[Family, ...] = (
         "RBLNXLMRobertaForSequenceClassification",
         {"": EMBED_TEST},
         task="classify",
-        tiny=TinyRecipe("XLMRobertaConfig", ROBERTA, framing="roberta"),
+        tiny=TinyRecipe("XLMRobertaConfig", ROBERTA, framing=ROBERTA_PAIR),
         examples="bge-reranker-v2-m3",
     ),
     EncoderFamily(
@@ -507,7 +525,7 @@ _FAMILIES: tuple[Family, ...] = (
         "RBLNRobertaForSequenceClassification",
         {"": EMBED_TEST},
         task="classify",
-        tiny=TinyRecipe("RobertaConfig", ROBERTA, framing="roberta"),
+        tiny=TinyRecipe("RobertaConfig", ROBERTA, framing=ROBERTA_PAIR),
     ),
     # BERT cross-encoders (ms-marco MiniLM): a pair is [CLS] query [SEP] document [SEP], and
     # the segment ids tell the two apart. optimum-rbln 0.12 exports no class for it: rbln-ray's
@@ -607,6 +625,7 @@ _FAMILIES: tuple[Family, ...] = (
         "RBLNQwen2VLForConditionalGeneration",
         {"": VISION_TEST},
         module="qwen2_vl",
+        mrope=True,
         declaration="RBLNQwen2VLDeclaration",
         inputs=("image", "video"),
         vision_tower="RBLNQwen2VisionTransformerPretrainedModel",
@@ -698,6 +717,7 @@ _FAMILIES: tuple[Family, ...] = (
         "RBLNQwen2_5_VLForConditionalGeneration",
         {"": VISION_TEST},
         module="qwen2_5_vl",
+        mrope=True,
         declaration="RBLNQwen2_5_VLDeclaration",
         inputs=("image", "video"),
         vision_tower="RBLNQwen2_5_VisionTransformerPretrainedModel",
@@ -714,6 +734,7 @@ _FAMILIES: tuple[Family, ...] = (
         "RBLNQwen3VLForConditionalGeneration",
         {"": VISION_TEST},
         module="qwen3_vl",
+        mrope=True,
         declaration="RBLNQwen3VLDeclaration",
         inputs=("image", "video"),
         vision_tower="RBLNQwen3VLVisionModel",
@@ -728,6 +749,7 @@ _FAMILIES: tuple[Family, ...] = (
         "RBLNQwen3VLMoeForConditionalGeneration",
         {"": VISION_TEST},
         module="qwen3_vl_moe",
+        mrope=True,
         declaration="RBLNQwen3VLMoeDeclaration",
         inputs=("image", "video"),
         vision_tower="RBLNQwen3VLMoeVisionModel",
@@ -743,6 +765,7 @@ _FAMILIES: tuple[Family, ...] = (
         "RBLNQwen3_5ForConditionalGeneration",
         {"": VISION_TEST},
         module="qwen3_5",
+        mrope=True,
         declaration="RBLNQwen3_5Declaration",
         inputs=("image", "video"),
         vision_tower="RBLNQwen3_5VisionModel",
@@ -788,6 +811,8 @@ SPEECH: dict[str, SpeechFamily] = {f.name: f for f in _FAMILIES if isinstance(f,
 _BY_ARCH: dict[str, Family] = {
     f.architecture: f for f in _FAMILIES if not isinstance(f, PoolingDecoderFamily)
 }
+# The cost model (rbln_ray.npu, below this layer) counts MLP matrices by model_type.
+declare_ungated_mlp(f.model_type for f in DECODERS.values() if not f.gated_mlp)
 
 # optimum-rbln 0.12 classes rbln-ray does not serve, and why (refused with the reason).
 UNSUPPORTED: dict[str, str] = {

@@ -258,6 +258,7 @@ def test_every_registered_family_keeps_its_kinds_contract(name: str) -> None:
     code is there, as its kind's contract (rbln_ray.families.contract) says: a kind with a
     contract of its own has a module, named after the family, whose ``CODE`` implements it."""
     from rbln_ray.families.contract import FamilyCode, SpeechCode, VisionCode
+    from rbln_ray.families.qwen_vl_base import MRopeEmbedder
     from rbln_ray.families.vision_base import Declaration, PromptEmbedder
     from rbln_ray.vllm_plugin import declarations
 
@@ -283,6 +284,8 @@ def test_every_registered_family_keeps_its_kinds_contract(name: str) -> None:
         assert placeholder == ""
     assert bool(code.VIDEO_PLACEHOLDER) == ("video" in fam.inputs)
     assert issubclass(code.Embedder, PromptEmbedder)
+    # the record's mrope (what the upstream contract checks of optimum) is the embedder's
+    assert fam.mrope == issubclass(code.Embedder, MRopeEmbedder)
     if fam.declaration:
         module, _, cls = declarations()[fam.architecture].partition(":")
         declaration = getattr(importlib.import_module(module), cls)
@@ -320,3 +323,39 @@ def test_a_family_module_that_breaks_the_contract_is_named() -> None:
                 record.code()
         finally:
             del sys.modules[f"rbln_ray.families.{module}"]
+
+
+def test_no_code_outside_the_families_package_names_a_family_or_probes_its_code() -> None:
+    """Family facts live in rbln_ray/families: elsewhere no comparison with a family's name
+    or model_type, and no ``hasattr``/``getattr`` on a family's code (its contract says what
+    it has)."""
+    import ast
+
+    names = set(FAMILIES) | {f.model_type for f in DECODERS.values()}
+
+    def strings(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return {e.value for e in node.elts if isinstance(e, ast.Constant)}
+        return set()
+
+    offenders = []
+    for path in sorted((ROOT / "rbln_ray").rglob("*.py")):
+        if "families" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Compare):
+                for side in (node.left, *node.comparators):
+                    if strings(side) & names:
+                        offenders.append(f"{where}: compares with {sorted(strings(side) & names)}")
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("hasattr", "getattr")
+                and node.args
+                and "code" in ast.unparse(node.args[0])
+            ):
+                offenders.append(f"{where}: {ast.unparse(node)}")
+    assert not offenders, offenders
