@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rbln_ray.common.artifact_files import RBLN_CONFIG
 from rbln_ray.compile.settings import CompileSettings
-from rbln_ray.families.registry import SpeechFamily, speech_for_dir
+from rbln_ray.families.registry import Family, SpeechFamily, speech_for_dir
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +62,14 @@ class SpeechArtifact:
         return self.batch_size
 
     @classmethod
-    def load(cls, path: str | Path) -> SpeechArtifact:
+    def load(cls, path: str | Path, family: Family | None = None) -> SpeechArtifact:
+        """The artifact of ``path``, a compiled speech model of ``family`` (looked up when not
+        given)."""
         path = Path(path)
-        family = speech_for_dir(path)
+        if family is None:
+            family = speech_for_dir(path)
+        if not isinstance(family, SpeechFamily):
+            family = None
         cfg_path = path / RBLN_CONFIG
         if family is None or not cfg_path.is_file():
             raise SpeechArtifactError(f"{path} is not a compiled speech model (no {RBLN_CONFIG})")

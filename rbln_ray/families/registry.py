@@ -52,6 +52,9 @@ class Family:
     """What every kind of family has."""
 
     kind: ClassVar[str] = ""
+    # What a compiled directory of the family is read as (rbln_ray.compile.artifact):
+    # "decoder" (a causal LM's KV blocks and graphs), "encoder" or "speech".
+    artifact: ClassVar[str] = "decoder"
     # The contract its module's code keeps (rbln_ray.families.contract); a kind whose
     # contract is more than FamilyCode requires a module.
     contract: ClassVar[type[FamilyCode]] = FamilyCode
@@ -62,11 +65,11 @@ class Family:
     verified_by: Mapping[str, str] = field(default_factory=dict)
     notes: str = ""
     module: str = ""  # the family's own module in this package, when it has code
+    # The optimum-rbln config class an artifact's ``rbln_config.json`` records (its cls_name).
+    config_class: str = field(init=False, default="")
 
-    @property
-    def config_class(self) -> str:
-        """The optimum-rbln config class an artifact's ``rbln_config.json`` records."""
-        return self.optimum_class + "Config"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "config_class", self.optimum_class + "Config")
 
     def code(self) -> Any:
         """The family's code (its module's ``CODE``, imported on first use: it may import
@@ -159,6 +162,7 @@ class EncoderFamily(Family):
     ``[batch, max_seq_len]`` tokens, pooling on the host in vLLM's own pooler."""
 
     kind: ClassVar[str] = "encoder"
+    artifact: ClassVar[str] = "encoder"
     input_names: tuple[str, ...] = ("input_ids", "attention_mask")  # graph inputs, in order
     # "embed" (every position's hidden state; vLLM pools and normalises) or "classify" (the
     # classifier's logits, head included: a cross-encoder's score, /v1/score and /v1/rerank)
@@ -195,6 +199,7 @@ class SpeechFamily(Family):
     of one batch of rows; served through vLLM's transcription front end."""
 
     kind: ClassVar[str] = "speech"
+    artifact: ClassVar[str] = "speech"
     contract: ClassVar[type[FamilyCode]] = SpeechCode
     tasks: tuple[str, ...] = ("transcribe", "translate")
     examples: str = ""
@@ -811,6 +816,12 @@ SPEECH: dict[str, SpeechFamily] = {f.name: f for f in _FAMILIES if isinstance(f,
 _BY_ARCH: dict[str, Family] = {
     f.architecture: f for f in _FAMILIES if not isinstance(f, PoolingDecoderFamily)
 }
+# What a compiled artifact's rbln_config.json cls_name names (the first family compiled with
+# that class: a decoder before a pooling family reading the same causal LM).
+_BY_CONFIG_CLASS: dict[str, Family] = {}
+for _f in _FAMILIES:
+    _BY_CONFIG_CLASS.setdefault(_f.config_class, _f)
+
 # The cost model (rbln_ray.npu, below this layer) counts MLP matrices by model_type.
 declare_ungated_mlp(f.model_type for f in DECODERS.values() if not f.gated_mlp)
 
@@ -937,7 +948,24 @@ def embedder_of(decoder: Family) -> PoolingDecoderFamily | None:
 
 def family_for_config_class(cls_name: str) -> Family | None:
     """The family of a compiled artifact from its ``rbln_config.json`` ``cls_name``."""
-    return next((f for f in _FAMILIES if f.config_class == cls_name), None)
+    return _BY_CONFIG_CLASS.get(cls_name)
+
+
+def artifact_family(model_dir: str | Path, cls_name: str) -> Family:
+    """The family a compiled directory is served as, in one lookup: its ``config.json``
+    architecture's, except that a decoder's checkpoint compiled as one of its pooling
+    families (``cls_name``, its ``rbln_config.json`` class: e.g. ``RBLNQwen3ModelConfig``,
+    the Qwen3 embedder) is that family. Raises :class:`UnsupportedModelError` naming the
+    supported architectures. The record's ``artifact`` says how to read the directory."""
+    found = family_for_dir(model_dir)
+    compiled = _BY_CONFIG_CLASS.get(cls_name)
+    if (
+        isinstance(compiled, PoolingDecoderFamily)
+        and isinstance(found, DecoderFamily)
+        and compiled.decoder_family == found.name
+    ):
+        return compiled
+    return found
 
 
 def get_rbln_model_info(config: Mapping[str, Any] | Any) -> tuple[str, str]:

@@ -325,6 +325,64 @@ def test_a_family_module_that_breaks_the_contract_is_named() -> None:
             del sys.modules[f"rbln_ray.families.{module}"]
 
 
+def test_loading_a_compiled_directory_asks_the_registry_at_most_twice(tmp_path: Path) -> None:
+    """One dispatch per artifact: from the platform's ``compiled_artifact`` (an engine
+    given a compiled directory) the registry is entered twice, once to refuse an unsupported
+    architecture before anything else and once to pick the reader, which asks no more
+    (counted as calls into registry.py's code from outside it)."""
+    import sys
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    import rbln_ray.families.registry as registry
+    from rbln_ray.compile.artifact import CompiledArtifact
+
+    assert current_platform.device_name  # vLLM resolves its platform before rbln-ray's loads
+    from rbln_ray.vllm_plugin import platform
+
+    art = tmp_path / "llama-compiled"
+    art.mkdir()
+    (art / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    rbln = {
+        "cls_name": "RBLNLlamaForCausalLMConfig",
+        "batch_size": 4,
+        "max_seq_len": 1024,
+        "kvcache_block_size": 1024,
+        "kvcache_num_blocks": 5,
+        "decoder_batch_sizes": [4, 2, 1],
+    }
+    (art / "rbln_config.json").write_text(json.dumps(rbln))
+    vllm_config = SimpleNamespace(
+        additional_config={},
+        speculative_config=None,
+        lora_config=None,
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        model_config=SimpleNamespace(
+            model=str(art), original_max_model_len=None, runner_type="generate", hf_config=None
+        ),
+    )
+    entries = []
+
+    def profile(frame, event, arg) -> None:
+        caller = frame.f_back
+        if (
+            event == "call"
+            and frame.f_code.co_filename == registry.__file__
+            and caller is not None
+            and caller.f_code.co_filename != registry.__file__
+        ):
+            entries.append(f"{caller.f_code.co_name} -> {frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        loaded = platform.compiled_artifact(vllm_config)
+    finally:
+        sys.setprofile(None)
+    assert isinstance(loaded, CompiledArtifact) and loaded.batch_size == 4
+    assert entries == ["resolve_compiled_dir -> family_for_dir", "load_artifact -> artifact_family"]
+
+
 def test_no_code_outside_the_families_package_names_a_family_or_probes_its_code() -> None:
     """Family facts live in rbln_ray/families: elsewhere no comparison with a family's name
     or model_type, and no ``hasattr``/``getattr`` on a family's code (its contract says what
@@ -359,3 +417,44 @@ def test_no_code_outside_the_families_package_names_a_family_or_probes_its_code(
             ):
                 offenders.append(f"{where}: {ast.unparse(node)}")
     assert not offenders, offenders
+
+
+def test_a_compiled_directory_is_read_as_its_records_artifact(tmp_path: Path) -> None:
+    """load_artifact asks the registry once and reads the directory as the record says: an
+    encoder's as an encoder, a Qwen3 checkpoint compiled as its embedder (RBLNQwen3Model) as
+    that pooling family's decoder artifact, the same checkpoint compiled as the causal LM as
+    Qwen3's (also what the reranker serves), a vision-language model's by its language
+    model, with its language family's prefill."""
+    from rbln_ray.compile.artifact import CompiledArtifact, load_artifact
+    from rbln_ray.compile.encoders import EncoderArtifact
+    from rbln_ray.families.registry import artifact_family
+
+    decoder = {
+        "batch_size": 2,
+        "max_seq_len": 256,
+        "kvcache_block_size": 256,
+        "kvcache_num_blocks": 3,
+        "decoder_batch_sizes": [2],
+    }
+
+    def write(name: str, arch: str, rbln: dict) -> Path:
+        out = tmp_path / name
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps({"architectures": [arch]}))
+        (out / "rbln_config.json").write_text(json.dumps(rbln))
+        return out
+
+    bert = write("bert", "BertModel", {"cls_name": "RBLNBertModelConfig", "batch_size": 2,
+                                       "max_seq_len": 64})  # fmt: skip
+    assert isinstance(load_artifact(bert), EncoderArtifact)
+    embed = write("embed", "Qwen3ForCausalLM", {"cls_name": "RBLNQwen3ModelConfig", **decoder})
+    art = load_artifact(embed)
+    assert isinstance(art, CompiledArtifact) and art.pooling == "qwen3-embedding"
+    causal = write("lm", "Qwen3ForCausalLM", {"cls_name": "RBLNQwen3ForCausalLMConfig", **decoder})
+    assert artifact_family(causal, "RBLNQwen3ForCausalLMConfig") is DECODERS["qwen3"]
+    assert load_artifact(causal).pooling == ""
+    gemma = {"cls_name": "RBLNGemma3ForConditionalGenerationConfig", "language_model": decoder}
+    art = load_artifact(write("gemma3_vl", "Gemma3ForConditionalGeneration", gemma))
+    assert art.vision_family == "gemma3_vl" and not art.prefill_resumable  # Gemma3's prefill
+    with pytest.raises(UnsupportedModelError, match="MidmLMHeadModel"):
+        load_artifact(write("midm", "MidmLMHeadModel", {"cls_name": "X", **decoder}))
