@@ -1,9 +1,13 @@
-"""Fail when a module of ``rbln_ray`` imports a package above its own layer.
+"""Fail when a module of ``rbln_ray`` imports a package above its own layer, or when modules
+import each other in a circle.
 
 Why: the layers (docs/ARCHITECTURE.md) only stay a stack if something checks them. Every
 ``import`` and ``from ... import`` is counted, including those inside functions (lazy imports
 are still dependencies) and relative ones; ``TYPE_CHECKING`` blocks too (a type is an
-interface dependency). Packages in one layer may not import each other either.
+interface dependency). Packages in one layer may not import each other either. Inside a
+package the layer order says nothing, so a circle of modules (``a`` imports ``b``, which
+imports ``a``, perhaps lazily to dodge the import-time failure) is checked on its own: such a
+pair is one job split over two files, or a dependency pointing the wrong way.
 
 Run: ``python scripts/check_layers.py`` (``make lint`` does); exit status 1 lists violations.
 """
@@ -54,6 +58,98 @@ def imported_packages(path: Path, package_parts: list[str]) -> list[tuple[int, s
     return found
 
 
+def _modules(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file of every module of ``rbln_ray`` (a package is its
+    ``__init__.py``)."""
+    found = {}
+    for path in sorted((root / "rbln_ray").rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def imported_modules(path: Path, module: str, modules: dict[str, Path]) -> set[str]:
+    """The ``rbln_ray`` modules ``path`` (module ``module``) imports: ``from pkg import name``
+    counts as ``pkg.name`` when that is a module, else as ``pkg``."""
+
+    def known(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(known(a.name) for a in node.names if a.name.startswith("rbln_ray."))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source != "rbln_ray" and not source.startswith("rbln_ray."):
+                continue
+            for alias in node.names:
+                name = f"{source}.{alias.name}"
+                found.add(name if name in modules else known(source))
+    found.discard(module)
+    found.discard("")
+    return found
+
+
+def circles(root: Path) -> list[list[str]]:
+    """Every set of modules that import each other in a circle (the strongly connected
+    components of the import graph with more than one module), sorted."""
+    modules = _modules(root)
+    graph = {m: imported_modules(p, m, modules) for m, p in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(start: str) -> None:
+        # Tarjan's algorithm, iterative: (module, its remaining successors)
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, successors = work[-1]
+            for nxt in successors:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
 def violations(root: Path) -> list[str]:
     package_root = root / "rbln_ray"
     problems = []
@@ -85,10 +181,16 @@ def main() -> int:
     problems = violations(root)
     for problem in problems:
         print(problem)
+    loops = circles(root)
+    for loop in loops:
+        print(f"import circle: {' <-> '.join(loop)}")
     if problems:
         print(f"{len(problems)} import(s) against the layer order")
+    if loops:
+        print(f"{len(loops)} import circle(s) between modules")
+    if problems or loops:
         return 1
-    print("layer order holds")
+    print("layer order holds; no import circles")
     return 0
 
 

@@ -66,11 +66,11 @@ def cmd_build_model(args: argparse.Namespace) -> int:
         build_tiny_model,
         build_tiny_vlm,
         build_tiny_whisper,
-        demo_model_dir,
     )
+    from rbln_ray.models.demo import DEMO_MODEL, resolve_model
 
-    if args.family == "demo":
-        print(demo_model_dir())
+    if args.family == DEMO_MODEL:  # trained on first use
+        print(resolve_model(DEMO_MODEL)[0])
         return 0
     record = family(args.family)
     shape = dict(
@@ -187,12 +187,13 @@ def parser() -> argparse.ArgumentParser:
         "the demo)",
     )
     from rbln_ray.families.registry import FAMILIES
+    from rbln_ray.models.demo import DEMO_MODEL
 
     b.add_argument(
         "family",
         # qwen2-vl = qwen2_vl, gpt-oss = gpt_oss; encoders keep their dashes (xlm-roberta)
         type=lambda name: name if name in FAMILIES else name.replace("-", "_"),
-        choices=[*FAMILIES, "demo"],
+        choices=[*FAMILIES, DEMO_MODEL],
     )
     b.add_argument("--out", type=Path)
     b.add_argument("--hidden-size", type=int, default=128)

@@ -8,26 +8,21 @@ import os
 import signal
 import threading
 
-from rbln_ray.serve.config import DEMO_MODEL, AppConfig, embedded_default, load_config
+from rbln_ray.serve.config import AppConfig, embedded_default, load_config
 
 logger = logging.getLogger("rbln_ray.cli")
 
-# The demo model's compile settings: batch 4 with smaller decode graphs for light load.
-DEMO_COMPILE = {"batch_size": 4, "max_seq_len": 1024, "decoder_batch_sizes": (4, 2, 1)}
 PROBE_TIMEOUT_S = 120.0
 
 
 def prepare_models(config: AppConfig) -> AppConfig:
     """Train/compile in the foreground (with progress) so replicas start from artifacts."""
     from rbln_ray.compile import CompileSettings, resolve_compiled_dir
-    from rbln_ray.models import demo_model_dir
+    from rbln_ray.models.demo import resolve_model
 
     models = []
     for m in config.models:
-        path, settings = m.model, m.compile
-        if path == DEMO_MODEL:
-            given = m.compile.model_dump(exclude_unset=True)
-            path, settings = str(demo_model_dir()), CompileSettings(**{**DEMO_COMPILE, **given})
+        path, settings = resolve_model(m.model, m.compile)
         compiled = resolve_compiled_dir(path, settings)
         models.append(m.model_copy(update={"model": str(compiled), "compile": CompileSettings()}))
     return config.model_copy(update={"models": models})

@@ -3,6 +3,10 @@
 Why: the compiled directory is the source of truth for everything shape-related (batch size,
 maximum length, KV block size and count). vLLM's scheduler must be configured from it, not
 from user guesses, or it would schedule work the compiled graphs cannot run.
+
+A directory is read by one dispatch: the family registry is asked once which family it is
+(:func:`rbln_ray.families.registry.artifact_family`), the record's ``artifact`` names how it
+is read (:data:`READERS`), and the reader gets the record, so it asks nothing more.
 """
 
 from __future__ import annotations
@@ -18,12 +22,12 @@ from rbln_ray.compile.quantization import QuantSpec
 from rbln_ray.compile.spec_graphs import VerifyGraph, read_manifest
 from rbln_ray.compile.speech import SpeechArtifact
 from rbln_ray.families.registry import (
+    DECODERS,
     DecoderFamily,
+    Family,
     PoolingDecoderFamily,
-    encoder_for_dir,
-    family_for_config_class,
-    speech_for_dir,
-    vision_for_dir,
+    VisionFamily,
+    artifact_family,
 )
 
 # A staged (pipeline-parallel) directory's manifest has the same shape keys as rbln_config.json
@@ -131,15 +135,17 @@ class CompiledArtifact:
         return -(-self.max_seq_len // self.kvcache_block_size)
 
     @classmethod
-    def load(cls, path: str | Path) -> CompiledArtifact:
+    def load(cls, path: str | Path, family: Family | None = None) -> CompiledArtifact:
+        """The artifact of ``path``, a compiled decoder (or a vision-language model's, or a
+        pooling decoder's) of ``family`` (looked up when not given)."""
         path = Path(path)
-        cfg_path = path / RBLN_CONFIG
-        if (path / PIPELINE_MANIFEST).is_file():
-            cfg_path = path / PIPELINE_MANIFEST
-        elif not cfg_path.is_file():
+        cfg_path = config_path(path)
+        if not cfg_path.is_file():
             raise ArtifactError(f"{path} has no {RBLN_CONFIG}: not a compiled optimum-rbln model")
         raw = json.loads(cfg_path.read_text())
-        vision = vision_for_dir(path)
+        if family is None:
+            family = artifact_family(path, raw.get("cls_name", ""))
+        vision = family if isinstance(family, VisionFamily) else None
         if vision is not None:
             submodule = vision.language_submodule
             if raw.get("cls_name") != vision.config_class or (submodule and submodule not in raw):
@@ -180,25 +186,42 @@ class CompiledArtifact:
             cache_impl=raw.get("cache_impl") or "static",
             sliding_window=raw.get("sliding_window"),
             use_position_ids=bool(raw.get("use_position_ids")),
-            prefill_resumable=_prefill_resumable(raw.get("cls_name", "")),
+            prefill_resumable=_prefill_resumable(family),
             vision_family=vision.name if vision is not None else "",
             dtype=raw.get("dtype") or "float32",
             lora=LoRAInfo.from_rbln_config(raw.get("lora_config")),
             quantization=QuantSpec.from_rbln_config(raw.get("quantization")),
             verify_graphs=read_manifest(path),
-            pooling=_pooling(raw.get("cls_name", "")),
+            pooling=family.name if isinstance(family, PoolingDecoderFamily) else "",
             state_slots=bool(raw.get("linear_attention_layers")),
         )
 
 
-def _pooling(cls_name: str) -> str:
-    family = family_for_config_class(cls_name)
-    return family.name if isinstance(family, PoolingDecoderFamily) else ""
+def _prefill_resumable(family: Family) -> bool:
+    """Whether the compiled prefill can start mid-prompt: its decoder family's say (a
+    vision-language model's language family, a pooling family's decoder); True for a
+    language model rbln-ray serves no text-only family of."""
+    decoder: Family | None = family
+    if isinstance(family, VisionFamily):
+        decoder = DECODERS.get(family.language_family)
+    elif isinstance(family, PoolingDecoderFamily):
+        decoder = DECODERS.get(family.decoder_family)
+    return decoder.prefill_resumable if isinstance(decoder, DecoderFamily) else True
 
 
-def _prefill_resumable(cls_name: str) -> bool:
-    family = family_for_config_class(cls_name)
-    return family.prefill_resumable if isinstance(family, DecoderFamily) else True
+def config_path(path: Path) -> Path:
+    """The file a compiled directory's shape is read from: a staged directory's manifest, else
+    optimum's ``rbln_config.json``."""
+    manifest = path / PIPELINE_MANIFEST
+    return manifest if manifest.is_file() else path / RBLN_CONFIG
+
+
+# How each kind of artifact (a family record's ``artifact``) is read.
+READERS = {
+    "decoder": CompiledArtifact.load,
+    "encoder": EncoderArtifact.load,
+    "speech": SpeechArtifact.load,
+}
 
 
 # Parsed artifacts of this process, by directory and the version of its config file: the
@@ -207,21 +230,18 @@ _PARSED: dict[tuple[str, int], CompiledArtifact | EncoderArtifact | SpeechArtifa
 
 
 def load_artifact(path: str | Path) -> CompiledArtifact | EncoderArtifact | SpeechArtifact:
-    """A compiled directory's artifact, parsed once per process: an encoder's or a speech
-    model's (by its ``config.json`` architecture), or a decoder's."""
+    """A compiled directory's artifact, parsed once per process, as its family's record says
+    (a decoder's, an encoder's or a speech model's): the registry is asked once."""
     path = Path(path)
-    config = path / PIPELINE_MANIFEST
+    config = config_path(path)
     if not config.is_file():
-        config = path / RBLN_CONFIG
-    key = (str(path.resolve()), config.stat().st_mtime_ns if config.is_file() else -1)
+        raise ArtifactError(f"{path} has no {RBLN_CONFIG}: not a compiled optimum-rbln model")
+    key = (str(path.resolve()), config.stat().st_mtime_ns)
     art = _PARSED.get(key)
     if art is None:
-        if encoder_for_dir(path) is not None:
-            art = EncoderArtifact.load(path)
-        elif speech_for_dir(path) is not None:
-            art = SpeechArtifact.load(path)
-        else:
-            art = CompiledArtifact.load(path)
+        cls_name = json.loads(config.read_text()).get("cls_name", "")
+        family = artifact_family(path, cls_name)
+        art = READERS[family.artifact](path, family)
         _PARSED[key] = art
     return art
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rbln_ray.common.artifact_files import RBLN_CONFIG
 from rbln_ray.compile.settings import CompileSettings
-from rbln_ray.families.registry import EncoderFamily, encoder_for_dir
+from rbln_ray.families.registry import EncoderFamily, Family, encoder_for_dir
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +48,14 @@ class EncoderArtifact:
         return self.batch_size
 
     @classmethod
-    def load(cls, path: str | Path) -> EncoderArtifact:
+    def load(cls, path: str | Path, family: Family | None = None) -> EncoderArtifact:
+        """The artifact of ``path``, a compiled encoder of ``family`` (looked up when not
+        given)."""
         path = Path(path)
-        family = encoder_for_dir(path)
+        if family is None:
+            family = encoder_for_dir(path)
+        if not isinstance(family, EncoderFamily):
+            family = None
         cfg_path = path / RBLN_CONFIG
         if family is None or not cfg_path.is_file():
             raise EncoderArtifactError(f"{path} is not a compiled encoder (no {RBLN_CONFIG})")
@@ -71,15 +76,14 @@ class EncoderArtifact:
         )
 
 
-def compile_encoder(hf_dir: str | Path, out_dir: str | Path, settings: CompileSettings) -> Path:
-    """Compile ``hf_dir`` with its optimum-rbln encoder class: one graph of ``batch_size`` x
-    ``max_seq_len`` tokens on one device; returns ``out_dir``. Decoder-only settings
-    (attention, KV blocks, decode batches) do not apply and are refused when set."""
+def compile_encoder(
+    hf_dir: str | Path, out_dir: str | Path, settings: CompileSettings, family: EncoderFamily
+) -> Path:
+    """Compile ``hf_dir`` with its family's optimum-rbln encoder class: one graph of
+    ``batch_size`` x ``max_seq_len`` tokens on one device; returns ``out_dir``. Decoder-only
+    settings (attention, KV blocks, decode batches) do not apply and are refused when set."""
     from rbln_ray.emulator.switch import require_runtime
 
-    family = encoder_for_dir(hf_dir)
-    if family is None:
-        raise ValueError(f"{hf_dir} is not an encoder rbln-ray compiles")
     decoder_only = {
         k: v
         for k, v in settings.cache_fields().items()

@@ -146,17 +146,17 @@ def compile_directory(
     if isinstance(family, EncoderFamily):
         from rbln_ray.compile.encoders import compile_encoder
 
-        compile_encoder(hf_dir, out_dir, settings)
+        compile_encoder(hf_dir, out_dir, settings, family)
         return f"{family.architecture} encoder ({family.task})"
     if isinstance(family, SpeechFamily):
         from rbln_ray.compile.speech import compile_speech
 
-        compile_speech(hf_dir, out_dir, settings)
+        compile_speech(hf_dir, out_dir, settings, family)
         return f"{family.architecture} (speech to text)"
     if isinstance(family, VisionFamily):
         from rbln_ray.compile.vision import compile_vision_language
 
-        compile_vision_language(hf_dir, out_dir, settings)
+        compile_vision_language(hf_dir, out_dir, settings, family)
         return f"{family.architecture} (vision-language)"
     if pipeline_stages > 1:
         from rbln_ray.compile.pipeline_compile import compile_pipeline

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rbln_ray.common.artifact_files import RBLN_CONFIG
 from rbln_ray.compile.settings import CompileSettings
-from rbln_ray.families.registry import SpeechFamily, speech_for_dir
+from rbln_ray.families.registry import Family, SpeechFamily, speech_for_dir
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +62,14 @@ class SpeechArtifact:
         return self.batch_size
 
     @classmethod
-    def load(cls, path: str | Path) -> SpeechArtifact:
+    def load(cls, path: str | Path, family: Family | None = None) -> SpeechArtifact:
+        """The artifact of ``path``, a compiled speech model of ``family`` (looked up when not
+        given)."""
         path = Path(path)
-        family = speech_for_dir(path)
+        if family is None:
+            family = speech_for_dir(path)
+        if not isinstance(family, SpeechFamily):
+            family = None
         cfg_path = path / RBLN_CONFIG
         if family is None or not cfg_path.is_file():
             raise SpeechArtifactError(f"{path} is not a compiled speech model (no {RBLN_CONFIG})")
@@ -97,23 +102,24 @@ class SpeechArtifact:
         )
 
 
-def compile_speech(hf_dir: str | Path, out_dir: str | Path, settings: CompileSettings) -> Path:
-    """Compile ``hf_dir`` with optimum-rbln's Whisper class: an encoder and a decoder of
-    ``batch_size`` rows, ``batch_size + 1`` self-attention blocks (a scratch block for padding
-    rows); returns ``out_dir``. The decoder's other settings do not apply and are refused
-    when set (the sequence length is the model's ``max_target_positions``)."""
+def compile_speech(
+    hf_dir: str | Path, out_dir: str | Path, settings: CompileSettings, family: SpeechFamily
+) -> Path:
+    """Compile ``hf_dir`` with its family's optimum-rbln class: an audio encoder and a decoder
+    of ``batch_size`` rows, compiled as the family's module says (Whisper: ``batch_size + 1``
+    self-attention blocks, a scratch block for padding rows); returns ``out_dir``. The
+    decoder's other settings do not apply and are refused when set (the sequence length is
+    the model's own)."""
     from rbln_ray.emulator.switch import require_runtime
 
-    family = speech_for_dir(hf_dir)
-    if family is None:
-        raise ValueError(f"{hf_dir} is not a speech model rbln-ray compiles")
     not_speech = {
         k: v
         for k, v in settings.cache_fields().items()
         if k not in ("batch_size", "max_seq_len") and v != CompileSettings.model_fields[k].default
     }
+    code = family.code()
     hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
-    length = int(hf_config.get("max_target_positions") or 448)
+    length = code.decoder_length(hf_config)
     if settings.max_seq_len is not None and settings.max_seq_len > length:
         not_speech["max_seq_len"] = settings.max_seq_len
     if not_speech:
@@ -129,12 +135,7 @@ def compile_speech(hf_dir: str | Path, out_dir: str | Path, settings: CompileSet
     batch = settings.batch_size
     logger.info("compiling speech model %s -> %s (batch %d)", hf_dir, out_dir, batch)
     model = cls.from_pretrained(
-        str(hf_dir),
-        export=True,
-        rbln_batch_size=batch,
-        rbln_kvcache_num_blocks=batch + 1,
-        rbln_token_timestamps=False,  # a second output the runner would not read
-        rbln_create_runtimes=False,
+        str(hf_dir), export=True, rbln_create_runtimes=False, **code.rbln_kwargs(batch)
     )
     out = Path(out_dir)
     model.save_pretrained(out)

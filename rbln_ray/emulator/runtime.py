@@ -24,6 +24,7 @@ from rbln_ray.common.dtypes import torch_dtype
 from rbln_ray.emulator import call_log, devices, reports, threads, timing
 from rbln_ray.emulator.compiled_model import RBLNCompiledModel, graph_outputs
 from rbln_ray.emulator.kv_host import KVHostTransfer, check_blocks, check_slots
+from rbln_ray.emulator.speech_timing import graph_timing
 from rbln_ray.npu import kinds
 
 logger = logging.getLogger(__name__)
@@ -228,7 +229,7 @@ class Runtime(KVHostTransfer):
         # modelled mode: compute, then sleep the rest of the modelled latency.
         mode = timing.emulator_mode()
         self._modelled = mode == "modelled"
-        self._timing = timing.graph_timing(compiled_model) if mode != "compute" else None
+        self._timing = graph_timing(compiled_model) if mode != "compute" else None
         self._decode_graph = call_log.is_decode_graph(compiled_model.input_info)
         self._graph = timing.compiled_dir_name(compiled_model)
         logger.debug("emulated runtime on devices %s (node %s)", physical, node)

@@ -22,19 +22,21 @@ from rbln_ray.npu.speech_cost import (
     SpeechShape,
     decoder_cost,
     encoder_cost,
+    is_speech_config,
     speech_shape_from_spec,
 )
 
 
 def speech_shape_of(cm: Any) -> SpeechShape | None:
-    """The speech shape to model for a compiled graph of a Whisper directory (the override
-    when set), or None when the graph is not a speech model's."""
+    """The speech shape to model for a compiled graph of a speech encoder-decoder's directory
+    (the override when set), or None when the graph is not a speech model's (its
+    ``config.json`` is no encoder-decoder's)."""
     path = getattr(cm, "path", None)
     config = Path(path).parent / "config.json" if path is not None else None
     if config is None or not config.is_file():
         return None
     cfg = json.loads(config.read_text())
-    if cfg.get("model_type") != "whisper":
+    if not is_speech_config(cfg):
         return None
     override = (envs.get("RBLN_RAY_TIMING_SHAPE") or "").strip()
     if not override:
@@ -43,7 +45,7 @@ def speech_shape_of(cm: Any) -> SpeechShape | None:
     if shape is None:
         raise ValueError(
             f"RBLN_RAY_TIMING_SHAPE={override!r} names no speech model, and {config.parent} is "
-            f"a Whisper; speech presets: {', '.join(sorted(PRESETS))}"
+            f"a speech encoder-decoder; speech presets: {', '.join(sorted(PRESETS))}"
         )
     return shape
 
@@ -66,3 +68,10 @@ class SpeechGraphTiming(GraphTiming):
             return encoder_cost(self.speech, self.spec)
         positions = [int(p) for p in inputs[self._pos_index].reshape(-1).tolist()]
         return decoder_cost(self.speech, positions, self.spec)
+
+
+def graph_timing(cm: Any) -> GraphTiming:
+    """The timing of one emulated runtime: a speech encoder-decoder's graphs are costed by
+    their own model (:class:`SpeechGraphTiming`), every other graph as a decoder's."""
+    speech = speech_shape_of(cm)
+    return SpeechGraphTiming(cm, speech) if speech is not None else GraphTiming(cm)

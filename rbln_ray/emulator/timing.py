@@ -186,15 +186,6 @@ class GraphTiming:
         record_copy(start, seconds, kind="host")
 
 
-def graph_timing(cm: Any) -> GraphTiming:
-    """The timing of one emulated runtime: a speech encoder-decoder's graphs have a cost
-    model of their own (:mod:`rbln_ray.emulator.speech_timing`)."""
-    from rbln_ray.emulator.speech_timing import SpeechGraphTiming, speech_shape_of
-
-    speech = speech_shape_of(cm)
-    return SpeechGraphTiming(cm, speech) if speech is not None else GraphTiming(cm)
-
-
 def _output_specs(module: Any, inputs: tuple[Any, ...], kv: list[Any]):
     import torch
 

@@ -25,15 +25,13 @@ What differs from LLaVA (:mod:`.llava`):
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rbln_ray.families.registry import DECODERS
-from rbln_ray.families.tiny import decoder_config
-from rbln_ray.families.vision_base import PromptEmbedder
+from rbln_ray.families.contract import VisionCode
+from rbln_ray.families.vision_base import PromptEmbedder, one_image, tiny_text_config
 
 # The processor puts the image tokens before the text itself: a prompt names no image.
 PLACEHOLDER = ""
@@ -47,111 +45,113 @@ class Embedder(PromptEmbedder):
     projection): ``num_query_tokens`` vectors per image."""
 
     def _image_features(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        pixels = data["pixel_values"]
-        if pixels.dim() == 3:  # one image: [C, H, W]
-            pixels = pixels.unsqueeze(0)
+        pixels = one_image(data["pixel_values"])
         return self.model.get_image_features(pixel_values=pixels)
 
 
-def load_processor(model_dir: str | Path, **kwargs: Any) -> Any:
-    """A BLIP-2 directory's processor, with its chat template: transformers 5.15's
-    ``Blip2Processor.__init__`` drops the ``chat_template`` ``from_pretrained`` hands it, so
-    the template (saved next to the tokenizer) is set again here; everything else is
-    ``AutoProcessor``'s."""
-    from transformers import AutoProcessor
+# ----------------------------------------------------------------------------- family code
+class Blip2(VisionCode):
+    """BLIP-2's contract: vLLM's own front end (no declaration), its processor with its chat
+    template, a tower refusing what optimum-rbln cannot compile."""
 
-    processor = AutoProcessor.from_pretrained(str(model_dir), **kwargs)
-    if processor.chat_template is None:
-        processor.chat_template = processor.tokenizer.chat_template
-    return processor
+    PLACEHOLDER = PLACEHOLDER
+    SPECIAL_TOKENS = SPECIAL_TOKENS
+    Embedder = Embedder
 
+    def load_processor(self, model_dir: str | Path, **kwargs: Any) -> Any:
+        """A BLIP-2 directory's processor, with its chat template: transformers 5.15's
+        ``Blip2Processor.__init__`` drops the ``chat_template`` ``from_pretrained`` hands it, so
+        the template (saved next to the tokenizer) is set again here; everything else is
+        ``AutoProcessor``'s."""
+        from transformers import AutoProcessor
 
-def vision_rbln_config(hf_dir: str | Path) -> dict[str, Any]:
-    """Nothing to add for the vision graphs; refuses, before optimum-rbln 0.12 fails deep in
-    a compile, what it cannot compile: a checkpoint without ``vision_config.num_channels``
-    (the released ones have it), a Q-Former compiled for another number of patches than the
-    tower makes, and the encoder-decoder (Flan-T5) variants."""
-    from transformers import AutoConfig
+        processor = AutoProcessor.from_pretrained(str(model_dir), **kwargs)
+        if processor.chat_template is None:
+            processor.chat_template = processor.tokenizer.chat_template
+        return processor
 
-    config = AutoConfig.from_pretrained(str(hf_dir))
-    saved = json.loads((Path(hf_dir) / "config.json").read_text()).get("vision_config") or {}
-    if "num_channels" not in saved:
-        raise ValueError(
-            f"{hf_dir}: config.json's vision_config has no num_channels, which optimum-rbln "
-            "0.12's RBLNBlip2VisionModel reads (transformers' Blip2VisionConfig does not "
-            'define it); add "num_channels": 3 to vision_config'
+    def vision_rbln_config(self, hf_dir: str | Path) -> dict[str, Any]:
+        """Nothing to add for the vision graphs; refuses, before optimum-rbln 0.12 fails deep in
+        a compile, what it cannot compile: a checkpoint without ``vision_config.num_channels``
+        (the released ones have it), a Q-Former compiled for another number of patches than the
+        tower makes, and the encoder-decoder (Flan-T5) variants."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(hf_dir))
+        saved = json.loads((Path(hf_dir) / "config.json").read_text()).get("vision_config") or {}
+        if "num_channels" not in saved:
+            raise ValueError(
+                f"{hf_dir}: config.json's vision_config has no num_channels, which optimum-rbln "
+                "0.12's RBLNBlip2VisionModel reads (transformers' Blip2VisionConfig does not "
+                'define it); add "num_channels": 3 to vision_config'
+            )
+        if not config.use_decoder_only_language_model:
+            raise ValueError(
+                f"{hf_dir}: a BLIP-2 with an encoder-decoder language model "
+                f"({config.text_config.model_type}) is not served; rbln-ray serves BLIP-2 with a "
+                "decoder-only one (OPT)"
+            )
+        vision = config.vision_config
+        patches = (vision.image_size // vision.patch_size) ** 2
+        if config.image_text_hidden_size != patches:
+            raise ValueError(
+                f"{hf_dir}: image_text_hidden_size is {config.image_text_hidden_size}, but "
+                f"optimum-rbln 0.12 compiles the Q-Former for that many image patches and the "
+                f"vision tower makes {patches}"
+            )
+        return {}
+
+    def tiny_model(self, spec: Any, tokenizer: Any) -> tuple[Any, Any]:
+        """BLIP-2's recipe at the spec's shape: a ViT (CLS + patches), a Q-Former of
+        ``NUM_QUERY_TOKENS`` learned queries cross-attending to it, a linear projection, an OPT
+        language model."""
+        import transformers
+
+        # The processor first: it adds its image token to the tokenizer when missing, and the
+        # language model's vocabulary is the tokenizer's.
+        image_processor = transformers.BlipImageProcessorPil(
+            size={"height": spec.image_size, "width": spec.image_size}
         )
-    if not config.use_decoder_only_language_model:
-        raise ValueError(
-            f"{hf_dir}: a BLIP-2 with an encoder-decoder language model "
-            f"({config.text_config.model_type}) is not served; rbln-ray serves BLIP-2 with a "
-            "decoder-only one (OPT)"
+        processor = transformers.Blip2Processor(
+            image_processor=image_processor, tokenizer=tokenizer, num_query_tokens=NUM_QUERY_TOKENS
         )
-    vision = config.vision_config
-    patches = (vision.image_size // vision.patch_size) ** 2
-    if config.image_text_hidden_size != patches:
-        raise ValueError(
-            f"{hf_dir}: image_text_hidden_size is {config.image_text_hidden_size}, but "
-            f"optimum-rbln 0.12 compiles the Q-Former for that many image patches and the "
-            f"vision tower makes {patches}"
+        processor.chat_template = tokenizer.chat_template
+        init = spec.language.initializer_range
+        vision = dict(
+            hidden_size=spec.vision_hidden_size,
+            intermediate_size=2 * spec.vision_hidden_size,
+            num_hidden_layers=spec.vision_layers,
+            num_attention_heads=spec.vision_heads,
+            image_size=spec.image_size,
+            patch_size=spec.patch_size,
+            num_channels=3,  # read by optimum-rbln 0.12, not a transformers field (docstring)
+            initializer_range=init,
         )
-    return {}
+        qformer = dict(
+            hidden_size=spec.vision_hidden_size,
+            num_hidden_layers=spec.vision_layers,
+            num_attention_heads=spec.vision_heads,
+            intermediate_size=2 * spec.vision_hidden_size,
+            encoder_hidden_size=spec.vision_hidden_size,
+            initializer_range=init,
+        )
+        text = tiny_text_config(spec, tokenizer)
+        config = transformers.Blip2Config(
+            vision_config=vision,
+            qformer_config=qformer,
+            text_config=text,
+            num_query_tokens=NUM_QUERY_TOKENS,
+            image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+            image_text_hidden_size=spec.image_tokens,  # optimum: the number of image patches
+            initializer_range=init,
+            tie_word_embeddings=False,
+        )
+        model = transformers.Blip2ForConditionalGeneration(config)
+        # transformers initialises the learned queries to zeros; random ones make the features
+        # (and so the test's reference) depend on the image more strongly.
+        with torch.no_grad():
+            model.query_tokens.normal_(std=init)
+        return model, processor
 
 
-def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
-    """BLIP-2's recipe at the spec's shape: a ViT (CLS + patches), a Q-Former of
-    ``NUM_QUERY_TOKENS`` learned queries cross-attending to it, a linear projection, an OPT
-    language model."""
-    import transformers
-
-    # The processor first: it adds its image token to the tokenizer when missing, and the
-    # language model's vocabulary is the tokenizer's.
-    image_processor = transformers.BlipImageProcessorPil(
-        size={"height": spec.image_size, "width": spec.image_size}
-    )
-    processor = transformers.Blip2Processor(
-        image_processor=image_processor, tokenizer=tokenizer, num_query_tokens=NUM_QUERY_TOKENS
-    )
-    processor.chat_template = tokenizer.chat_template
-    init = spec.language.initializer_range
-    vision = dict(
-        hidden_size=spec.vision_hidden_size,
-        intermediate_size=2 * spec.vision_hidden_size,
-        num_hidden_layers=spec.vision_layers,
-        num_attention_heads=spec.vision_heads,
-        image_size=spec.image_size,
-        patch_size=spec.patch_size,
-        num_channels=3,  # read by optimum-rbln 0.12, not a transformers field (docstring)
-        initializer_range=init,
-    )
-    qformer = dict(
-        hidden_size=spec.vision_hidden_size,
-        num_hidden_layers=spec.vision_layers,
-        num_attention_heads=spec.vision_heads,
-        intermediate_size=2 * spec.vision_hidden_size,
-        encoder_hidden_size=spec.vision_hidden_size,
-        initializer_range=init,
-    )
-    text = decoder_config(
-        DECODERS[spec.language.family].tiny,
-        replace(spec.language, vocab_size=len(tokenizer)),
-        tokenizer.bos_token_id,
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-    )
-    config = transformers.Blip2Config(
-        vision_config=vision,
-        qformer_config=qformer,
-        text_config=text,
-        num_query_tokens=NUM_QUERY_TOKENS,
-        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        image_text_hidden_size=spec.image_tokens,  # optimum: the number of image patches
-        initializer_range=init,
-        tie_word_embeddings=False,
-    )
-    model = transformers.Blip2ForConditionalGeneration(config)
-    # transformers initialises the learned queries to zeros; random ones make the features
-    # (and so the test's reference) depend on the image more strongly.
-    with torch.no_grad():
-        model.query_tokens.normal_(std=init)
-    return model, processor
+CODE = Blip2()

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +58,13 @@ from vllm.multimodal.processing import (
     TimingContext,
 )
 
-from rbln_ray.families.registry import DECODERS
-from rbln_ray.families.tiny import decoder_config
-from rbln_ray.families.vision_base import Declaration, PromptEmbedder, not_on_rbln
+from rbln_ray.families.contract import VisionCode
+from rbln_ray.families.vision_base import (
+    Declaration,
+    PromptEmbedder,
+    one_image,
+    tiny_text_config,
+)
 
 PLACEHOLDER = "<start_of_image>"  # what one image is in a prompt (and in the chat template)
 END_OF_IMAGE, IMAGE_TOKEN = "<end_of_image>", "<image_soft_token>"
@@ -71,19 +74,6 @@ NAMED_TOKENS = {"boi_token": PLACEHOLDER, "eoi_token": END_OF_IMAGE, "image_toke
 # Tokens per image of the tiny model: optimum-rbln needs the prefill chunk to equal it and be a
 # multiple of 64; one token per patch of an 8 x 8 grid.
 TOKENS_PER_IMAGE = 64
-
-
-def language_rbln_config(hf_dir: str | Path, language: dict[str, Any]) -> dict[str, Any]:
-    """The language model's prefill chunk: optimum-rbln 0.12 requires the text chunk to equal
-    the image chunk, ``mm_tokens_per_image``; eager attention only (module docstring)."""
-    if language.get("attn_impl") == "flash_attn":
-        raise ValueError(
-            f"{hf_dir}: Gemma3 with images is served with attn_impl='eager' only: with "
-            "flash_attn optimum-rbln 0.12 pads prefill chunks to KV partitions, and decode "
-            "would then need per-request padded positions, which rbln-ray does not keep"
-        )
-    config = json.loads((Path(hf_dir) / "config.json").read_text())
-    return {"prefill_chunk_size": int(config.get("mm_tokens_per_image", 256))}
 
 
 # ----------------------------------------------------------------------------- vLLM
@@ -177,14 +167,7 @@ class Gemma3MultiModalProcessor(BaseMultiModalProcessor[Gemma3ProcessingInfo]):
 class RBLNGemma3Declaration(Declaration, SupportsMultiModal):
     """``Gemma3ForConditionalGeneration`` as vLLM's registry and front end see it on RBLN."""
 
-    @classmethod
-    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
-        if modality.startswith("image"):
-            return PLACEHOLDER
-        raise ValueError("only image inputs are supported")
-
-    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        not_on_rbln()
+    PLACEHOLDERS = {"image": PLACEHOLDER}
 
 
 # ----------------------------------------------------------------------------- runner
@@ -193,9 +176,7 @@ class Embedder(PromptEmbedder):
     prompt's token types (1 on image tokens) at its prefill."""
 
     def _image_features(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        pixels = data["pixel_values"]
-        if pixels.dim() == 3:  # one image: [C, H, W]
-            pixels = pixels.unsqueeze(0)
+        pixels = one_image(data["pixel_values"])
         return self.model.get_image_features(pixels)
 
     def prefill_inputs(self, state: Any, start: int, end: int) -> dict[str, torch.Tensor]:
@@ -216,55 +197,72 @@ class Embedder(PromptEmbedder):
         return {"token_type_ids": types.unsqueeze(0)}
 
 
-# ----------------------------------------------------------------------------- tiny model
-def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
-    """Gemma3's recipe at the spec's shape: a SigLIP tower without pooling head over an 8 x 8
-    patch grid (the image is sized for it), the projector (RMS norm, average pool to
-    ``TOKENS_PER_IMAGE``, linear), a Gemma3 LM with alternating sliding and global layers."""
-    import transformers
+# ----------------------------------------------------------------------------- family code
+class Gemma3VL(VisionCode):
+    """Gemma3's contract with images: its named tokens and its decoder's prefill chunk."""
 
-    side = 8 * spec.patch_size
-    init = spec.language.initializer_range
-    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in NAMED_TOKENS.items()}
-    text = decoder_config(
-        DECODERS[spec.language.family].tiny,
-        replace(spec.language, vocab_size=len(tokenizer)),
-        tokenizer.bos_token_id,
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-    )
-    vision = dict(
-        model_type="siglip_vision_model",
-        hidden_size=spec.vision_hidden_size,
-        intermediate_size=2 * spec.vision_hidden_size,
-        num_hidden_layers=spec.vision_layers,
-        num_attention_heads=spec.vision_heads,
-        image_size=side,
-        patch_size=spec.patch_size,
-        # transformers 5.15 defaults SigLIP to a pooling head, which optimum-rbln then compiles
-        # as a second output Gemma3's tower call has no buffer for; checkpoints have none
-        vision_use_head=False,
-    )
-    config = transformers.Gemma3Config(
-        text_config=text.to_dict(),
-        vision_config=vision,
-        mm_tokens_per_image=TOKENS_PER_IMAGE,
-        boi_token_index=ids["boi_token"],
-        eoi_token_index=ids["eoi_token"],
-        image_token_index=ids["image_token"],
-        initializer_range=init,  # the LM head's; the default 0.02 makes near-flat logits
-        tie_word_embeddings=False,
-    )
-    model = transformers.Gemma3ForConditionalGeneration(config)
-    # transformers initialises the projection to zeros: every image would be the same
-    # (zero) features and a test would pass whatever the image
-    with torch.no_grad():
-        model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=init)
-    image_processor = transformers.Gemma3ImageProcessorPil(size={"height": side, "width": side})
-    processor = transformers.Gemma3Processor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        chat_template=tokenizer.chat_template,
-        image_seq_length=TOKENS_PER_IMAGE,
-    )
-    return model, processor
+    PLACEHOLDER = PLACEHOLDER
+    SPECIAL_TOKENS = SPECIAL_TOKENS
+    NAMED_TOKENS = NAMED_TOKENS
+    Embedder = Embedder
+
+    def language_rbln_config(self, hf_dir: str | Path, language: dict[str, Any]) -> dict[str, Any]:
+        """The language model's prefill chunk: optimum-rbln 0.12 requires the text chunk to equal
+        the image chunk, ``mm_tokens_per_image``; eager attention only (module docstring)."""
+        if language.get("attn_impl") == "flash_attn":
+            raise ValueError(
+                f"{hf_dir}: Gemma3 with images is served with attn_impl='eager' only: with "
+                "flash_attn optimum-rbln 0.12 pads prefill chunks to KV partitions, and decode "
+                "would then need per-request padded positions, which rbln-ray does not keep"
+            )
+        config = json.loads((Path(hf_dir) / "config.json").read_text())
+        return {"prefill_chunk_size": int(config.get("mm_tokens_per_image", 256))}
+
+    def tiny_model(self, spec: Any, tokenizer: Any) -> tuple[Any, Any]:
+        """Gemma3's recipe at the spec's shape: a SigLIP tower without pooling head over an 8 x 8
+        patch grid (the image is sized for it), the projector (RMS norm, average pool to
+        ``TOKENS_PER_IMAGE``, linear), a Gemma3 LM with alternating sliding and global layers."""
+        import transformers
+
+        side = 8 * spec.patch_size
+        init = spec.language.initializer_range
+        ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in NAMED_TOKENS.items()}
+        text = tiny_text_config(spec, tokenizer)
+        vision = dict(
+            model_type="siglip_vision_model",
+            hidden_size=spec.vision_hidden_size,
+            intermediate_size=2 * spec.vision_hidden_size,
+            num_hidden_layers=spec.vision_layers,
+            num_attention_heads=spec.vision_heads,
+            image_size=side,
+            patch_size=spec.patch_size,
+            # transformers 5.15 defaults SigLIP to a pooling head, which optimum-rbln then compiles
+            # as a second output Gemma3's tower call has no buffer for; checkpoints have none
+            vision_use_head=False,
+        )
+        config = transformers.Gemma3Config(
+            text_config=text.to_dict(),
+            vision_config=vision,
+            mm_tokens_per_image=TOKENS_PER_IMAGE,
+            boi_token_index=ids["boi_token"],
+            eoi_token_index=ids["eoi_token"],
+            image_token_index=ids["image_token"],
+            initializer_range=init,  # the LM head's; the default 0.02 makes near-flat logits
+            tie_word_embeddings=False,
+        )
+        model = transformers.Gemma3ForConditionalGeneration(config)
+        # transformers initialises the projection to zeros: every image would be the same
+        # (zero) features and a test would pass whatever the image
+        with torch.no_grad():
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=init)
+        image_processor = transformers.Gemma3ImageProcessorPil(size={"height": side, "width": side})
+        processor = transformers.Gemma3Processor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            chat_template=tokenizer.chat_template,
+            image_seq_length=TOKENS_PER_IMAGE,
+        )
+        return model, processor
+
+
+CODE = Gemma3VL()

@@ -28,7 +28,6 @@ What differs from LLaVA (:mod:`.llava`):
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +38,12 @@ from vllm.model_executor.models import idefics3 as vllm_idefics3
 from vllm.model_executor.models.interfaces import SupportsMultiModal
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from rbln_ray.families.registry import DECODERS
-from rbln_ray.families.tiny import decoder_config
+from rbln_ray.families.contract import VisionCode
 from rbln_ray.families.vision_base import (
     PROCESSOR_CONFIG,
     Declaration,
     PromptEmbedder,
-    not_on_rbln,
+    tiny_text_config,
 )
 
 PLACEHOLDER = "<image>"  # what one image is in a prompt (and in the chat template)
@@ -92,17 +90,6 @@ class Idefics3PilProcessor(Idefics3Processor):
         return config
 
 
-def load_processor(model_dir: str | Path, **kwargs: Any) -> Idefics3PilProcessor:
-    """An Idefics3 directory's processor (see :class:`Idefics3PilProcessor`)."""
-    return Idefics3PilProcessor.from_pretrained(model_dir, **kwargs)
-
-
-def after_compile(hf_dir: str | Path, out: Path) -> None:
-    """optimum-rbln's export saves only the processors ``AutoProcessor`` loads, which for
-    Idefics3 is none here: save it with the artifact."""
-    load_processor(hf_dir).save_pretrained(out)
-
-
 # ----------------------------------------------------------------------------- vLLM
 class Idefics3PilProcessingInfo(vllm_idefics3.Idefics3ProcessingInfo):
     """vLLM 0.30's Idefics3 processing, with the processor loaded from its parts."""
@@ -120,14 +107,7 @@ class RBLNIdefics3Declaration(Declaration, SupportsMultiModal):
     """``Idefics3ForConditionalGeneration`` as vLLM's registry and front end see it on
     RBLN."""
 
-    @classmethod
-    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
-        if modality.startswith("image"):
-            return PLACEHOLDER
-        raise ValueError("only image inputs are supported")
-
-    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        not_on_rbln()
+    PLACEHOLDERS = {"image": PLACEHOLDER}
 
 
 # ----------------------------------------------------------------------------- runner
@@ -156,47 +136,52 @@ class Embedder(PromptEmbedder):
         return features.reshape(-1, features.shape[-1])
 
 
-# ----------------------------------------------------------------------------- tiny model
-def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
-    """Idefics3's recipe at the spec's shape: an encoder over ``image_size`` tiles (up to 2 x 2
-    of them plus the global one), a connector merging 2 x 2 patches, a Llama LM."""
-    import transformers
+# ----------------------------------------------------------------------------- family code
+class Idefics3(VisionCode):
+    """Idefics3's contract: its processor (loaded from its parts, saved with the artifact)."""
 
-    scale = 2
-    tile_tokens = spec.image_tokens // scale**2
-    vision = transformers.Idefics3VisionConfig(
-        hidden_size=spec.vision_hidden_size,
-        intermediate_size=2 * spec.vision_hidden_size,
-        num_hidden_layers=spec.vision_layers,
-        num_attention_heads=spec.vision_heads,
-        image_size=spec.image_size,
-        patch_size=spec.patch_size,
-        initializer_range=spec.language.initializer_range,
-    )
-    text = decoder_config(
-        DECODERS[spec.language.family].tiny,
-        replace(spec.language, vocab_size=len(tokenizer)),
-        tokenizer.bos_token_id,
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-    )
-    config = transformers.Idefics3Config(
-        vision_config=vision,
-        text_config=text,
-        scale_factor=scale,
-        image_token_id=tokenizer.convert_tokens_to_ids(PLACEHOLDER),
-        pad_token_id=tokenizer.pad_token_id,  # its default lies outside the tiny vocabulary
-        tie_word_embeddings=False,
-    )
-    image_processor = Idefics3ImageProcessorPil(
-        size={"longest_edge": 2 * spec.image_size},
-        max_image_size={"longest_edge": spec.image_size},
-        do_image_splitting=True,
-    )
-    processor = Idefics3PilProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        image_seq_len=tile_tokens,
-        chat_template=tokenizer.chat_template,
-    )
-    return transformers.Idefics3ForConditionalGeneration(config), processor
+    PLACEHOLDER = PLACEHOLDER
+    SPECIAL_TOKENS = SPECIAL_TOKENS
+    PROCESSOR = Idefics3PilProcessor
+    Embedder = Embedder
+
+    def tiny_model(self, spec: Any, tokenizer: Any) -> tuple[Any, Any]:
+        """Idefics3's recipe at the spec's shape: an encoder over ``image_size`` tiles (up to
+        2 x 2 of them plus the global one), a connector merging 2 x 2 patches, a Llama LM."""
+        import transformers
+
+        scale = 2
+        tile_tokens = spec.image_tokens // scale**2
+        vision = transformers.Idefics3VisionConfig(
+            hidden_size=spec.vision_hidden_size,
+            intermediate_size=2 * spec.vision_hidden_size,
+            num_hidden_layers=spec.vision_layers,
+            num_attention_heads=spec.vision_heads,
+            image_size=spec.image_size,
+            patch_size=spec.patch_size,
+            initializer_range=spec.language.initializer_range,
+        )
+        text = tiny_text_config(spec, tokenizer)
+        config = transformers.Idefics3Config(
+            vision_config=vision,
+            text_config=text,
+            scale_factor=scale,
+            image_token_id=tokenizer.convert_tokens_to_ids(PLACEHOLDER),
+            pad_token_id=tokenizer.pad_token_id,  # its default lies outside the tiny vocabulary
+            tie_word_embeddings=False,
+        )
+        image_processor = Idefics3ImageProcessorPil(
+            size={"longest_edge": 2 * spec.image_size},
+            max_image_size={"longest_edge": spec.image_size},
+            do_image_splitting=True,
+        )
+        processor = Idefics3PilProcessor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            image_seq_len=tile_tokens,
+            chat_template=tokenizer.chat_template,
+        )
+        return transformers.Idefics3ForConditionalGeneration(config), processor
+
+
+CODE = Idefics3()

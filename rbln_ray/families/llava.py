@@ -10,7 +10,6 @@ processor below and :class:`RBLNLlavaDeclaration` take its place (:mod:`.vision_
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,9 +28,13 @@ from vllm.multimodal.processing import (
     PromptUpdate,
 )
 
-from rbln_ray.families.registry import DECODERS
-from rbln_ray.families.tiny import decoder_config
-from rbln_ray.families.vision_base import Declaration, PromptEmbedder, not_on_rbln
+from rbln_ray.families.contract import VisionCode
+from rbln_ray.families.vision_base import (
+    Declaration,
+    PromptEmbedder,
+    one_image,
+    tiny_text_config,
+)
 
 PLACEHOLDER = "<image>"  # what one image is in a prompt (and in the chat template)
 SPECIAL_TOKENS = [PLACEHOLDER]
@@ -101,9 +104,7 @@ class Embedder(PromptEmbedder):
     """Image features from ``get_image_features`` (the compiled CLIP tower and projector)."""
 
     def _image_features(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        pixels = data["pixel_values"]
-        if pixels.dim() == 3:  # one image: [C, H, W]
-            pixels = pixels.unsqueeze(0)
+        pixels = one_image(data["pixel_values"])
         config = self.model.config
         return self.model.get_image_features(
             pixel_values=pixels,
@@ -118,60 +119,58 @@ class Embedder(PromptEmbedder):
 class RBLNLlavaDeclaration(Declaration, SupportsMultiModal):
     """``LlavaForConditionalGeneration`` as vLLM's registry and front end see it on RBLN."""
 
-    @classmethod
-    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
-        if modality.startswith("image"):
-            return PLACEHOLDER
-        raise ValueError("only image inputs are supported")
-
-    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        not_on_rbln()
+    PLACEHOLDERS = {"image": PLACEHOLDER}
 
 
-def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
-    """LLaVA-1.5's recipe at the spec's shape: CLIP tower, features of the second-to-last
-    layer without the CLS position, a GELU MLP projector, a Llama language model."""
-    import transformers
+# ----------------------------------------------------------------------------- family code
+class Llava(VisionCode):
+    """LLaVA-1.5's contract: AutoProcessor loads its processor, optimum's tower defaults."""
 
-    image_token_id = tokenizer.convert_tokens_to_ids(PLACEHOLDER)
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=spec.vision_hidden_size,
-        intermediate_size=2 * spec.vision_hidden_size,
-        num_hidden_layers=spec.vision_layers,
-        num_attention_heads=spec.vision_heads,
-        image_size=spec.image_size,
-        patch_size=spec.patch_size,
-        projection_dim=spec.vision_hidden_size,
-        initializer_range=spec.language.initializer_range,
-    )
-    text = decoder_config(
-        DECODERS[spec.language.family].tiny,
-        replace(spec.language, vocab_size=len(tokenizer)),
-        tokenizer.bos_token_id,
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-    )
-    config = transformers.LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=image_token_id,
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-2,
-        image_seq_length=spec.image_tokens,
-        projector_hidden_act="gelu",
-        tie_word_embeddings=False,
-    )
-    image_processor = transformers.CLIPImageProcessorPil(
-        size={"shortest_edge": spec.image_size},
-        crop_size={"height": spec.image_size, "width": spec.image_size},
-    )
-    processor = transformers.LlavaProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=spec.patch_size,
-        vision_feature_select_strategy="default",
-        chat_template=tokenizer.chat_template,
-        image_token=PLACEHOLDER,
-        num_additional_image_tokens=1,  # CLIP's CLS position, dropped by "default"
-    )
-    return transformers.LlavaForConditionalGeneration(config), processor
+    PLACEHOLDER = PLACEHOLDER
+    SPECIAL_TOKENS = SPECIAL_TOKENS
+    Embedder = Embedder
+
+    def tiny_model(self, spec: Any, tokenizer: Any) -> tuple[Any, Any]:
+        """LLaVA-1.5's recipe at the spec's shape: CLIP tower, features of the second-to-last
+        layer without the CLS position, a GELU MLP projector, a Llama language model."""
+        import transformers
+
+        image_token_id = tokenizer.convert_tokens_to_ids(PLACEHOLDER)
+        vision = transformers.CLIPVisionConfig(
+            hidden_size=spec.vision_hidden_size,
+            intermediate_size=2 * spec.vision_hidden_size,
+            num_hidden_layers=spec.vision_layers,
+            num_attention_heads=spec.vision_heads,
+            image_size=spec.image_size,
+            patch_size=spec.patch_size,
+            projection_dim=spec.vision_hidden_size,
+            initializer_range=spec.language.initializer_range,
+        )
+        text = tiny_text_config(spec, tokenizer)
+        config = transformers.LlavaConfig(
+            vision_config=vision,
+            text_config=text,
+            image_token_index=image_token_id,
+            vision_feature_select_strategy="default",
+            vision_feature_layer=-2,
+            image_seq_length=spec.image_tokens,
+            projector_hidden_act="gelu",
+            tie_word_embeddings=False,
+        )
+        image_processor = transformers.CLIPImageProcessorPil(
+            size={"shortest_edge": spec.image_size},
+            crop_size={"height": spec.image_size, "width": spec.image_size},
+        )
+        processor = transformers.LlavaProcessor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            patch_size=spec.patch_size,
+            vision_feature_select_strategy="default",
+            chat_template=tokenizer.chat_template,
+            image_token=PLACEHOLDER,
+            num_additional_image_tokens=1,  # CLIP's CLS position, dropped by "default"
+        )
+        return transformers.LlavaForConditionalGeneration(config), processor
+
+
+CODE = Llava()

@@ -22,7 +22,6 @@ What differs from LLaVA (:mod:`.llava`):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,9 +41,8 @@ from vllm.multimodal.processing import (
     PromptUpdate,
 )
 
-from rbln_ray.families.registry import DECODERS
-from rbln_ray.families.tiny import decoder_config
-from rbln_ray.families.vision_base import Declaration, PromptEmbedder, not_on_rbln
+from rbln_ray.families.contract import VisionCode
+from rbln_ray.families.vision_base import Declaration, PromptEmbedder, tiny_text_config
 
 PLACEHOLDER = "<image>"  # what one image is in a prompt (and in the chat template)
 SPECIAL_TOKENS = [PLACEHOLDER]
@@ -154,14 +152,7 @@ class RBLNLlavaNextDeclaration(Declaration, SupportsMultiModal):
     """``LlavaNextForConditionalGeneration`` as vLLM's registry and front end see it on
     RBLN."""
 
-    @classmethod
-    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
-        if modality.startswith("image"):
-            return PLACEHOLDER
-        raise ValueError("only image inputs are supported")
-
-    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        not_on_rbln()
+    PLACEHOLDERS = {"image": PLACEHOLDER}
 
 
 # ----------------------------------------------------------------------------- runner
@@ -186,56 +177,60 @@ class Embedder(PromptEmbedder):
         return features
 
 
-# ----------------------------------------------------------------------------- tiny model
-def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
-    """LLaVA-NeXT's recipe at the spec's shape: LLaVA's (CLIP tower, second-to-last layer
-    without CLS, GELU MLP projector, Llama LM) over tiles of ``image_size`` pixels, with grid
-    pinpoints of 1 x 2, 2 x 1 and 2 x 2 tiles and a learned row newline."""
-    import transformers
+# ----------------------------------------------------------------------------- family code
+class LlavaNext(VisionCode):
+    """LLaVA-NeXT's contract: AutoProcessor loads its processor, optimum's tower defaults."""
 
-    side = spec.image_size
-    pinpoints = [[side, 2 * side], [2 * side, side], [2 * side, 2 * side]]
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=spec.vision_hidden_size,
-        intermediate_size=2 * spec.vision_hidden_size,
-        num_hidden_layers=spec.vision_layers,
-        num_attention_heads=spec.vision_heads,
-        image_size=side,
-        patch_size=spec.patch_size,
-        projection_dim=spec.vision_hidden_size,
-        initializer_range=spec.language.initializer_range,
-    )
-    text = decoder_config(
-        DECODERS[spec.language.family].tiny,
-        replace(spec.language, vocab_size=len(tokenizer)),
-        tokenizer.bos_token_id,
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-    )
-    config = transformers.LlavaNextConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=tokenizer.convert_tokens_to_ids(PLACEHOLDER),
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-2,
-        image_grid_pinpoints=pinpoints,
-        image_seq_length=spec.image_tokens,
-        projector_hidden_act="gelu",
-        tie_word_embeddings=False,
-    )
-    image_processor = transformers.LlavaNextImageProcessorPil(
-        size={"shortest_edge": side},
-        crop_size={"height": side, "width": side},
-        image_grid_pinpoints=pinpoints,
-    )
-    processor = transformers.LlavaNextProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=spec.patch_size,
-        vision_feature_select_strategy="default",
-        chat_template=tokenizer.chat_template,
-        image_token=PLACEHOLDER,
-        num_additional_image_tokens=1,  # CLIP's CLS position, dropped by "default"
-    )
-    model = transformers.LlavaNextForConditionalGeneration(config)
-    return model, processor
+    PLACEHOLDER = PLACEHOLDER
+    SPECIAL_TOKENS = SPECIAL_TOKENS
+    Embedder = Embedder
+
+    def tiny_model(self, spec: Any, tokenizer: Any) -> tuple[Any, Any]:
+        """LLaVA-NeXT's recipe at the spec's shape: LLaVA's (CLIP tower, second-to-last layer
+        without CLS, GELU MLP projector, Llama LM) over tiles of ``image_size`` pixels, with grid
+        pinpoints of 1 x 2, 2 x 1 and 2 x 2 tiles and a learned row newline."""
+        import transformers
+
+        side = spec.image_size
+        pinpoints = [[side, 2 * side], [2 * side, side], [2 * side, 2 * side]]
+        vision = transformers.CLIPVisionConfig(
+            hidden_size=spec.vision_hidden_size,
+            intermediate_size=2 * spec.vision_hidden_size,
+            num_hidden_layers=spec.vision_layers,
+            num_attention_heads=spec.vision_heads,
+            image_size=side,
+            patch_size=spec.patch_size,
+            projection_dim=spec.vision_hidden_size,
+            initializer_range=spec.language.initializer_range,
+        )
+        text = tiny_text_config(spec, tokenizer)
+        config = transformers.LlavaNextConfig(
+            vision_config=vision,
+            text_config=text,
+            image_token_index=tokenizer.convert_tokens_to_ids(PLACEHOLDER),
+            vision_feature_select_strategy="default",
+            vision_feature_layer=-2,
+            image_grid_pinpoints=pinpoints,
+            image_seq_length=spec.image_tokens,
+            projector_hidden_act="gelu",
+            tie_word_embeddings=False,
+        )
+        image_processor = transformers.LlavaNextImageProcessorPil(
+            size={"shortest_edge": side},
+            crop_size={"height": side, "width": side},
+            image_grid_pinpoints=pinpoints,
+        )
+        processor = transformers.LlavaNextProcessor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            patch_size=spec.patch_size,
+            vision_feature_select_strategy="default",
+            chat_template=tokenizer.chat_template,
+            image_token=PLACEHOLDER,
+            num_additional_image_tokens=1,  # CLIP's CLS position, dropped by "default"
+        )
+        model = transformers.LlavaNextForConditionalGeneration(config)
+        return model, processor
+
+
+CODE = LlavaNext()

@@ -33,7 +33,6 @@ What differs from LLaVA (:mod:`.llava`):
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +42,13 @@ from vllm.model_executor.models.interfaces import SupportsMultiModal
 from vllm.model_executor.models.siglip import SiglipEncoderInfo
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from rbln_ray.families.registry import DECODERS
-from rbln_ray.families.tiny import decoder_config
-from rbln_ray.families.vision_base import Declaration, PromptEmbedder, not_on_rbln
+from rbln_ray.families.contract import VisionCode
+from rbln_ray.families.vision_base import (
+    Declaration,
+    PromptEmbedder,
+    one_image,
+    tiny_text_config,
+)
 
 # The processor puts the image tokens before the text itself: a prompt names no image.
 PLACEHOLDER = ""
@@ -53,12 +56,6 @@ IMAGE_TOKEN = "<image>"
 SPECIAL_TOKENS = [IMAGE_TOKEN]
 # The processor ends every prompt with a newline of its own (see the module docstring).
 GENERATION_PROMPT = "<|assistant|>"
-
-
-def language_rbln_config(hf_dir: str | Path, language: dict[str, Any]) -> dict[str, Any]:
-    """The prefix-LM prefill's compile settings: an attention mask (optimum compiles position
-    ids for PaliGemma, which it accepts only with one), the whole prompt in one chunk."""
-    return {"use_attention_mask": True, "prefill_chunk_size": language["max_seq_len"]}
 
 
 # ----------------------------------------------------------------------------- vLLM
@@ -79,14 +76,7 @@ class RBLNPaliGemmaDeclaration(Declaration, SupportsMultiModal):
     """``PaliGemmaForConditionalGeneration`` as vLLM's registry and front end see it on
     RBLN."""
 
-    @classmethod
-    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
-        if modality.startswith("image"):
-            return None  # the processor places the image
-        raise ValueError("only image inputs are supported")
-
-    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        not_on_rbln()
+    PLACEHOLDERS = {"image": None}  # the processor places the image
 
 
 # ----------------------------------------------------------------------------- runner
@@ -95,61 +85,70 @@ class Embedder(PromptEmbedder):
     projector)."""
 
     def _image_features(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        pixels = data["pixel_values"]
-        if pixels.dim() == 3:  # one image: [C, H, W]
-            pixels = pixels.unsqueeze(0)
+        pixels = one_image(data["pixel_values"])
         return self.model.get_image_features(pixels)
 
 
-# ----------------------------------------------------------------------------- tiny model
-def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
-    """PaliGemma-1's recipe at the spec's shape: a SigLIP tower without its pooling head (as
-    the released checkpoints), a linear projector, a Gemma language model."""
-    import transformers
-    from tokenizers import AddedToken
+# ----------------------------------------------------------------------------- family code
+class PaliGemma(VisionCode):
+    """PaliGemma's contract: its prompt format and its prefix-LM decoder's compile settings."""
 
-    # vLLM's processor looks the newline up as one vocabulary entry (Gemma's tokenizer has
-    # it; a byte-level BPE spells it otherwise)
-    tokenizer.add_tokens([AddedToken("\n", normalized=False, special=False)])
-    tokens = spec.image_tokens
-    image_processor = transformers.SiglipImageProcessorPil(
-        size={"height": spec.image_size, "width": spec.image_size}, image_seq_length=tokens
-    )
-    # adds PaliGemma's 1152 <locNNNN>/<segNNN> tokens: the vocabulary is sized after it
-    processor = transformers.PaliGemmaProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        chat_template=tokenizer.chat_template,
-    )
-    hidden = spec.language.hidden_size
-    text = decoder_config(
-        DECODERS[spec.language.family].tiny,
-        replace(spec.language, vocab_size=len(tokenizer)),
-        tokenizer.bos_token_id,
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-    )
-    vision = dict(
-        model_type="siglip_vision_model",
-        hidden_size=spec.vision_hidden_size,
-        intermediate_size=2 * spec.vision_hidden_size,
-        num_hidden_layers=spec.vision_layers,
-        num_attention_heads=spec.vision_heads,
-        image_size=spec.image_size,
-        patch_size=spec.patch_size,
-        projection_dim=hidden,
-        vision_use_head=False,
-        # read from vision_config by optimum-rbln 0.12 (transformers keeps it on text_config;
-        # the released checkpoints have it in both)
-        num_image_tokens=tokens,
-    )
-    config = transformers.PaliGemmaConfig(
-        text_config=text.to_dict(),
-        vision_config=vision,
-        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        projection_dim=hidden,  # else PaliGemmaConfig forces 2048 into the vision config
-        hidden_size=hidden,
-        vocab_size=len(tokenizer),
-        tie_word_embeddings=False,
-    )
-    return transformers.PaliGemmaForConditionalGeneration(config), processor
+    PLACEHOLDER = PLACEHOLDER
+    SPECIAL_TOKENS = SPECIAL_TOKENS
+    GENERATION_PROMPT = GENERATION_PROMPT
+    Embedder = Embedder
+
+    def language_rbln_config(self, hf_dir: str | Path, language: dict[str, Any]) -> dict:
+        """The prefix-LM prefill's compile settings: an attention mask (optimum compiles
+        position ids for PaliGemma, which it accepts only with one), the whole prompt in one
+        chunk."""
+        return {"use_attention_mask": True, "prefill_chunk_size": language["max_seq_len"]}
+
+    def tiny_model(self, spec: Any, tokenizer: Any) -> tuple[Any, Any]:
+        """PaliGemma-1's recipe at the spec's shape: a SigLIP tower without its pooling head (as
+        the released checkpoints), a linear projector, a Gemma language model."""
+        import transformers
+        from tokenizers import AddedToken
+
+        # vLLM's processor looks the newline up as one vocabulary entry (Gemma's tokenizer has
+        # it; a byte-level BPE spells it otherwise)
+        tokenizer.add_tokens([AddedToken("\n", normalized=False, special=False)])
+        tokens = spec.image_tokens
+        image_processor = transformers.SiglipImageProcessorPil(
+            size={"height": spec.image_size, "width": spec.image_size}, image_seq_length=tokens
+        )
+        # adds PaliGemma's 1152 <locNNNN>/<segNNN> tokens: the vocabulary is sized after it
+        processor = transformers.PaliGemmaProcessor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            chat_template=tokenizer.chat_template,
+        )
+        hidden = spec.language.hidden_size
+        text = tiny_text_config(spec, tokenizer)
+        vision = dict(
+            model_type="siglip_vision_model",
+            hidden_size=spec.vision_hidden_size,
+            intermediate_size=2 * spec.vision_hidden_size,
+            num_hidden_layers=spec.vision_layers,
+            num_attention_heads=spec.vision_heads,
+            image_size=spec.image_size,
+            patch_size=spec.patch_size,
+            projection_dim=hidden,
+            vision_use_head=False,
+            # read from vision_config by optimum-rbln 0.12 (transformers keeps it on text_config;
+            # the released checkpoints have it in both)
+            num_image_tokens=tokens,
+        )
+        config = transformers.PaliGemmaConfig(
+            text_config=text.to_dict(),
+            vision_config=vision,
+            image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+            projection_dim=hidden,  # else PaliGemmaConfig forces 2048 into the vision config
+            hidden_size=hidden,
+            vocab_size=len(tokenizer),
+            tie_word_embeddings=False,
+        )
+        return transformers.PaliGemmaForConditionalGeneration(config), processor
+
+
+CODE = PaliGemma()

@@ -1,4 +1,5 @@
-"""Qwen2.5-VL on RBLN: Qwen2-VL (:mod:`.qwen2_vl`) with window attention in the vision tower.
+"""Qwen2.5-VL on RBLN: Qwen2-VL (:mod:`.qwen2_vl`) with window attention in the vision tower
+(which EXAONE-4.5 shares: :class:`WindowedTower`).
 
 What differs from Qwen2-VL, and why:
 
@@ -19,7 +20,7 @@ What differs from Qwen2-VL, and why:
   ``hidden_size`` / ``out_hidden_size`` / ``intermediate_size``.
 
 Everything else (prompt embeddings, M-RoPE position embeddings as the graphs' extra input,
-vLLM's processor and declaration) is Qwen2-VL's.
+vLLM's processor and declaration) is the shared Qwen-VL path's (:mod:`.qwen_vl_base`).
 """
 
 from __future__ import annotations
@@ -37,20 +38,22 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from rbln_ray.common.artifact_files import HF_CONFIG, RBLN_CONFIG
-from rbln_ray.families import qwen2_vl
-from rbln_ray.families.qwen2_vl import (
-    Qwen2VLDummyInputs,
-    Qwen2VLMultiModalProcessor,
-    Qwen2VLProcessingInfo,
-    RBLNQwen2VLDeclaration,
-    WithoutTorchvision,
+from rbln_ray.families.qwen_vl_base import (
+    MRopeEmbedder,
+    QwenVLCode,
+    sectioned_mrope_text,
+    vision_max_patches,
+)
+from rbln_ray.families.qwen_vl_processor import WithoutTorchvision
+from rbln_ray.families.qwen_vl_rope import media
+from rbln_ray.families.qwen_vl_vllm import (
+    MRopeDeclaration,
+    QwenVLDummyInputs,
+    QwenVLMultiModalProcessor,
+    QwenVLProcessingInfo,
 )
 from rbln_ray.families.vision_base import image_processor_settings
 
-# Qwen2-VL's tokens and placeholder, and its tiny model's pixel budget
-PLACEHOLDER, SPECIAL_TOKENS = qwen2_vl.PLACEHOLDER, qwen2_vl.SPECIAL_TOKENS
-VIDEO_PLACEHOLDER = qwen2_vl.VIDEO_PLACEHOLDER
-SPEC_DEFAULTS = qwen2_vl.SPEC_DEFAULTS
 # The tiny model's windows: 56 pixels, 4 x 4 patches (2 x 2 merged tokens); its last layer
 # attends over the whole image.
 TINY_WINDOW = 56
@@ -60,16 +63,6 @@ MAX_ASPECT = 200
 
 class Qwen2_5_VLPilProcessor(WithoutTorchvision, Qwen2_5_VLProcessor):
     """``Qwen2_5_VLProcessor`` without torchvision: PIL images, numpy videos."""
-
-
-def load_processor(model_dir: str | Path, **kwargs: Any) -> Qwen2_5_VLPilProcessor:
-    return Qwen2_5_VLPilProcessor.from_pretrained(str(model_dir), **kwargs)
-
-
-def after_compile(hf_dir: str | Path, out: Path) -> None:
-    """Save the image-only processor with the artifact (optimum saves only what
-    ``AutoProcessor`` loads, which needs torchvision here)."""
-    load_processor(hf_dir).save_pretrained(out)
 
 
 # ----------------------------------------------------------------------------- tower length
@@ -117,14 +110,14 @@ def max_tower_length(model_dir: str) -> int:
     """The longest tower call a model directory takes: its compiled largest ``max_seq_len``,
     or (an HF directory, compiled on first use) what the compile will give it."""
     if (Path(model_dir) / RBLN_CONFIG).is_file():
-        return qwen2_vl.vision_max_patches(model_dir)
+        return vision_max_patches(model_dir)
     return max(vision_rbln_config(model_dir)["visual"]["max_seq_len"])
 
 
 # ----------------------------------------------------------------------------- runner
-class Embedder(qwen2_vl.Embedder):
-    """Qwen2-VL's embedder; positions by ``Qwen2_5_VLModel.get_rope_index``, whose videos'
-    temporal positions step by their seconds per temporal patch."""
+class Embedder(MRopeEmbedder):
+    """Positions by ``Qwen2_5_VLModel.get_rope_index``, whose videos' temporal positions
+    step by their seconds per temporal patch."""
 
     ROPE_MODEL = Qwen2_5_VLModel
 
@@ -132,15 +125,15 @@ class Embedder(qwen2_vl.Embedder):
     def rope_extra(cls, features: Sequence[Any]) -> dict[str, Any]:
         seconds = [
             float(f.data["second_per_grid_ts"].data)
-            for f in qwen2_vl.media(features)
+            for f in media(features)
             if f.modality == "video"
         ]
         return {"second_per_grid_ts": torch.tensor(seconds)} if seconds else {}
 
 
 # ----------------------------------------------------------------------------- vLLM
-class Qwen2_5_VLProcessingInfo(Qwen2VLProcessingInfo):
-    """Qwen2-VL's, with window-padded tower lengths."""
+class Qwen2_5_VLProcessingInfo(QwenVLProcessingInfo):
+    """The Qwen families', with window-padded tower lengths."""
 
     CONFIG = Qwen2_5_VLConfig
     PROCESSOR = Qwen2_5_VLPilProcessor
@@ -160,46 +153,63 @@ class Qwen2_5_VLProcessingInfo(Qwen2VLProcessingInfo):
 
 
 @MULTIMODAL_REGISTRY.register_processor(
-    Qwen2VLMultiModalProcessor, info=Qwen2_5_VLProcessingInfo, dummy_inputs=Qwen2VLDummyInputs
+    QwenVLMultiModalProcessor, info=Qwen2_5_VLProcessingInfo, dummy_inputs=QwenVLDummyInputs
 )
-class RBLNQwen2_5_VLDeclaration(RBLNQwen2VLDeclaration):
+class RBLNQwen2_5_VLDeclaration(MRopeDeclaration):
     """``Qwen2_5_VLForConditionalGeneration`` as vLLM's registry and front end see it on RBLN
     (vLLM 0.30's own ``qwen2_5_vl`` imports torchvision through ``qwen2_vl``)."""
 
     EMBEDDER = Embedder
 
 
-# ----------------------------------------------------------------------------- tiny model
-def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
-    """Qwen2.5-VL's recipe at the spec's shape: Qwen2-VL's, with a SwiGLU vision tower whose
-    first layers attend within 56-pixel windows and whose last layer sees the whole image."""
-    import transformers
+# ----------------------------------------------------------------------------- family code
+class WindowedTower:
+    """The contract's tower for a windowed tower (Qwen2.5-VL's, EXAONE-4.5's): every length
+    :func:`tower_lengths` names. Mixed in before the family's contract class."""
 
-    language = spec.language
-    vision = dict(
-        depth=spec.vision_layers,
-        hidden_size=spec.vision_hidden_size,
-        intermediate_size=2 * spec.vision_hidden_size,
-        num_heads=spec.vision_heads,
-        out_hidden_size=language.hidden_size,  # the merger's output: the LM's embeddings
-        patch_size=spec.patch_size,
-        spatial_patch_size=spec.patch_size,  # optimum-rbln 0.12's tower reads it
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        window_size=TINY_WINDOW,
-        fullatt_block_indexes=[spec.vision_layers - 1],
-        tokens_per_second=2,
-        initializer_range=language.initializer_range,
-    )
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=qwen2_vl.tiny_text(spec, tokenizer),
-        vision_config=vision,
-        tie_word_embeddings=False,
-        **qwen2_vl.token_ids(tokenizer),
-    )
-    processor = Qwen2_5_VLPilProcessor(
-        image_processor=qwen2_vl.tiny_image_processor(spec),
-        tokenizer=tokenizer,
-        chat_template=tokenizer.chat_template,
-    )
-    return transformers.Qwen2_5_VLForConditionalGeneration(config), processor
+    def vision_rbln_config(self, hf_dir: str | Path) -> dict[str, Any]:
+        return vision_rbln_config(hf_dir)
+
+    @staticmethod
+    def tiny_vision(spec: Any, **extra: Any) -> dict[str, Any]:
+        """A tiny windowed tower: the spec's shape, SwiGLU MLP, 14-pixel patches merged
+        2 x 2, layers attending within :data:`TINY_WINDOW`-pixel windows but the last."""
+        return dict(
+            depth=spec.vision_layers,
+            hidden_size=spec.vision_hidden_size,
+            intermediate_size=2 * spec.vision_hidden_size,
+            num_heads=spec.vision_heads,
+            out_hidden_size=spec.language.hidden_size,  # the merger's output: the LM's embeddings
+            patch_size=spec.patch_size,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=TINY_WINDOW,
+            fullatt_block_indexes=[spec.vision_layers - 1],
+            initializer_range=spec.language.initializer_range,
+            **extra,
+        )
+
+
+class Qwen2_5_VL(WindowedTower, QwenVLCode):
+    PROCESSOR = Qwen2_5_VLPilProcessor
+    Embedder = Embedder
+
+    def tiny_model(self, spec: Any, tokenizer: Any) -> tuple[Any, Any]:
+        """Qwen2.5-VL's recipe at the spec's shape: Qwen2-VL's, with a SwiGLU vision tower
+        whose first layers attend within 56-pixel windows and whose last layer sees the whole
+        image."""
+        import transformers
+
+        # spatial_patch_size: optimum-rbln 0.12's tower reads it
+        vision = self.tiny_vision(spec, spatial_patch_size=spec.patch_size, tokens_per_second=2)
+        config = transformers.Qwen2_5_VLConfig(
+            text_config=sectioned_mrope_text(spec, tokenizer),
+            vision_config=vision,
+            tie_word_embeddings=False,
+            **self.token_ids(tokenizer),
+        )
+        model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+        return model, self.tiny_processor(spec, tokenizer)
+
+
+CODE = Qwen2_5_VL()

@@ -30,7 +30,6 @@ interleaved sections of the rotary part of the head) are Qwen3-VL's.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,15 +37,12 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.transformers_utils.configs.qwen3_5 import Qwen3_5Config
 
-from rbln_ray.families import qwen2_vl, qwen3_vl
-from rbln_ray.families.qwen2_vl import Qwen2VLDummyInputs, Qwen2VLMultiModalProcessor
+from rbln_ray.families import qwen3_vl
+from rbln_ray.families.qwen_vl_base import interleaved_mrope_text
+from rbln_ray.families.qwen_vl_vllm import QwenVLDummyInputs, QwenVLMultiModalProcessor
 
 logger = logging.getLogger(__name__)
 
-PLACEHOLDER, SPECIAL_TOKENS = qwen3_vl.PLACEHOLDER, qwen3_vl.SPECIAL_TOKENS
-VIDEO_PLACEHOLDER = qwen3_vl.VIDEO_PLACEHOLDER
-SPEC_DEFAULTS = qwen3_vl.SPEC_DEFAULTS
-vision_rbln_config = qwen3_vl.vision_rbln_config
 # optimum-rbln 0.12's flash attention on ATOM: a KV partition of at least 1024 tokens, at
 # least two partitions per sequence
 FLASH_PARTITION = 1024
@@ -55,29 +51,6 @@ EAGER_REFUSED = (
     "position, which the zero padding of a partial last window makes 0: not token-exact for "
     "prompts longer than prefill_chunk_size; compile with attn_impl='flash_attn'"
 )
-
-
-def load_processor(model_dir: str | Path, **kwargs: Any) -> Any:
-    return qwen3_vl.load_processor(model_dir, **kwargs)
-
-
-def after_compile(hf_dir: str | Path, out: Path) -> None:
-    qwen3_vl.after_compile(hf_dir, out)
-
-
-def compile_settings(settings: Any) -> Any:
-    """The language model's settings as Qwen3.5 compiles: flash attention only (refused
-    otherwise, with the reason), one decode graph of the full batch (decode rows are state
-    slots)."""
-    if settings.attn_impl != "flash_attn":
-        raise ValueError(f"Qwen3.5: attn_impl={settings.attn_impl!r} is refused: {EAGER_REFUSED}")
-    if tuple(settings.decoder_batch_sizes or ()) not in ((), (settings.batch_size,)):
-        logger.info(
-            "Qwen3.5: decoder_batch_sizes %s -> (%d,): decode rows are the batch's state slots",
-            settings.decoder_batch_sizes,
-            settings.batch_size,
-        )
-    return settings.model_copy(update={"decoder_batch_sizes": (settings.batch_size,)})
 
 
 # ----------------------------------------------------------------------------- runner
@@ -97,7 +70,7 @@ class Qwen3_5ProcessingInfo(qwen3_vl.Qwen3VLProcessingInfo):
 
 
 @MULTIMODAL_REGISTRY.register_processor(
-    Qwen2VLMultiModalProcessor, info=Qwen3_5ProcessingInfo, dummy_inputs=Qwen2VLDummyInputs
+    QwenVLMultiModalProcessor, info=Qwen3_5ProcessingInfo, dummy_inputs=QwenVLDummyInputs
 )
 class RBLNQwen3_5Declaration(qwen3_vl.RBLNQwen3VLDeclaration):
     """``Qwen3_5ForConditionalGeneration`` as vLLM's registry and front end see it on RBLN
@@ -106,43 +79,65 @@ class RBLNQwen3_5Declaration(qwen3_vl.RBLNQwen3VLDeclaration):
     EMBEDDER = Embedder
 
 
-# ----------------------------------------------------------------------------- tiny model
-def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
-    """Qwen3.5's recipe at the spec's shape: Qwen3-VL's tower without deepstack; a language
-    model whose layers are linear attention (gated delta nets: a 4-tap causal convolution, 2
-    key and 4 value heads of 16) but the last, full attention with a gated output, rotary over
-    a quarter of the head with interleaved M-RoPE sections."""
-    import transformers
+# ----------------------------------------------------------------------------- family code
+class Qwen3_5(qwen3_vl.Qwen3VL):
+    Embedder = Embedder
 
-    language = spec.language
-    head_dim = language.hidden_size // language.num_heads
-    pairs = int(head_dim * 0.25) // 2  # rotary pairs of the partial rotary dimensions
-    temporal = pairs - 2 * (pairs // 4)
-    text = dict(
-        qwen3_vl.tiny_text(spec, tokenizer),
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10_000_000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [temporal, pairs // 4, pairs // 4],
-            "mrope_interleaved": True,
-        },
-        # optimum reads the top-level factor, transformers' rotary the rope_parameters one
-        partial_rotary_factor=0.25,
-        layer_types=["linear_attention"] * (language.num_layers - 1) + ["full_attention"],
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-    )
-    vision = qwen3_vl.tiny_vision(spec)
-    vision.pop("deepstack_visual_indexes")
-    config = transformers.Qwen3_5Config(
-        text_config=text,
-        vision_config=vision,
-        tie_word_embeddings=False,
-        **qwen2_vl.token_ids(tokenizer),
-    )
-    model = transformers.Qwen3_5ForConditionalGeneration(config)
-    return model, qwen3_vl.tiny_processor(spec, tokenizer)
+    def compile_settings(self, settings: Any) -> Any:
+        """The language model's settings as Qwen3.5 compiles: flash attention only (refused
+        otherwise, with the reason), one decode graph of the full batch (decode rows are
+        state slots)."""
+        if settings.attn_impl != "flash_attn":
+            raise ValueError(
+                f"Qwen3.5: attn_impl={settings.attn_impl!r} is refused: {EAGER_REFUSED}"
+            )
+        if tuple(settings.decoder_batch_sizes or ()) not in ((), (settings.batch_size,)):
+            logger.info(
+                "Qwen3.5: decoder_batch_sizes %s -> (%d,): decode rows are state slots",
+                settings.decoder_batch_sizes,
+                settings.batch_size,
+            )
+        return settings.model_copy(update={"decoder_batch_sizes": (settings.batch_size,)})
+
+    def tiny_model(self, spec: Any, tokenizer: Any) -> tuple[Any, Any]:
+        """Qwen3.5's recipe at the spec's shape: Qwen3-VL's tower without deepstack; a
+        language model whose layers are linear attention (gated delta nets: a 4-tap causal
+        convolution, 2 key and 4 value heads of 16) but the last, full attention with a gated
+        output, rotary over a quarter of the head with interleaved M-RoPE sections."""
+        import transformers
+
+        language = spec.language
+        head_dim = language.hidden_size // language.num_heads
+        pairs = int(head_dim * 0.25) // 2  # rotary pairs of the partial rotary dimensions
+        temporal = pairs - 2 * (pairs // 4)
+        text = dict(
+            interleaved_mrope_text(spec, tokenizer),
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10_000_000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [temporal, pairs // 4, pairs // 4],
+                "mrope_interleaved": True,
+            },
+            # optimum reads the top-level factor, transformers' rotary the rope_parameters one
+            partial_rotary_factor=0.25,
+            layer_types=["linear_attention"] * (language.num_layers - 1) + ["full_attention"],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+        )
+        vision = self.tiny_vision(spec)
+        vision.pop("deepstack_visual_indexes")
+        config = transformers.Qwen3_5Config(
+            text_config=text,
+            vision_config=vision,
+            tie_word_embeddings=False,
+            **self.token_ids(tokenizer),
+        )
+        model = transformers.Qwen3_5ForConditionalGeneration(config)
+        return model, self.tiny_processor(spec, tokenizer)
+
+
+CODE = Qwen3_5()

@@ -8,28 +8,15 @@ view are Qwen3-VL's, with the MoE model's config class and ``get_rope_index``.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from transformers import Qwen3VLMoeConfig
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeModel
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from rbln_ray.families import qwen2_vl, qwen3_vl
-from rbln_ray.families.qwen2_vl import Qwen2VLDummyInputs, Qwen2VLMultiModalProcessor
-
-PLACEHOLDER, SPECIAL_TOKENS = qwen3_vl.PLACEHOLDER, qwen3_vl.SPECIAL_TOKENS
-VIDEO_PLACEHOLDER = qwen3_vl.VIDEO_PLACEHOLDER
-SPEC_DEFAULTS = qwen3_vl.SPEC_DEFAULTS
-vision_rbln_config = qwen3_vl.vision_rbln_config
-
-
-def load_processor(model_dir: str | Path, **kwargs: Any) -> Any:
-    return qwen3_vl.load_processor(model_dir, **kwargs)
-
-
-def after_compile(hf_dir: str | Path, out: Path) -> None:
-    qwen3_vl.after_compile(hf_dir, out)
+from rbln_ray.families import qwen3_vl
+from rbln_ray.families.qwen_vl_base import interleaved_mrope_text
+from rbln_ray.families.qwen_vl_vllm import QwenVLDummyInputs, QwenVLMultiModalProcessor
 
 
 class Embedder(qwen3_vl.Embedder):
@@ -41,34 +28,40 @@ class Qwen3VLMoeProcessingInfo(qwen3_vl.Qwen3VLProcessingInfo):
 
 
 @MULTIMODAL_REGISTRY.register_processor(
-    Qwen2VLMultiModalProcessor, info=Qwen3VLMoeProcessingInfo, dummy_inputs=Qwen2VLDummyInputs
+    QwenVLMultiModalProcessor, info=Qwen3VLMoeProcessingInfo, dummy_inputs=QwenVLDummyInputs
 )
 class RBLNQwen3VLMoeDeclaration(qwen3_vl.RBLNQwen3VLDeclaration):
     """``Qwen3VLMoeForConditionalGeneration`` as vLLM's registry and front end see it on
-    RBLN (vLLM 0.30's own ``qwen3_vl_moe`` imports torchvision through ``qwen2_vl``)."""
+    RBLN."""
 
     EMBEDDER = Embedder
 
 
-def tiny_model(spec: Any, tokenizer: Any) -> tuple[Any, Any]:
-    """Qwen3-VL's recipe with every decoder layer sparse: the spec's experts, a quarter of
-    its intermediate size each (as the text-only Qwen3-MoE tiny model)."""
-    import transformers
+class Qwen3VLMoe(qwen3_vl.Qwen3VL):
+    Embedder = Embedder
 
-    language = spec.language
-    text = dict(
-        qwen3_vl.tiny_text(spec, tokenizer),
-        num_experts=language.num_experts,
-        num_experts_per_tok=language.experts_per_token,
-        moe_intermediate_size=language.intermediate_size // 4,
-        decoder_sparse_step=1,
-        tie_word_embeddings=False,
-    )
-    config = transformers.Qwen3VLMoeConfig(
-        text_config=text,
-        vision_config=qwen3_vl.tiny_vision(spec),
-        tie_word_embeddings=False,
-        **qwen2_vl.token_ids(tokenizer),
-    )
-    model = transformers.Qwen3VLMoeForConditionalGeneration(config)
-    return model, qwen3_vl.tiny_processor(spec, tokenizer)
+    def tiny_model(self, spec: Any, tokenizer: Any) -> tuple[Any, Any]:
+        """Qwen3-VL's recipe with every decoder layer sparse: the spec's experts, a quarter
+        of its intermediate size each (as the text-only Qwen3-MoE tiny model)."""
+        import transformers
+
+        language = spec.language
+        text = dict(
+            interleaved_mrope_text(spec, tokenizer),
+            num_experts=language.num_experts,
+            num_experts_per_tok=language.experts_per_token,
+            moe_intermediate_size=language.intermediate_size // 4,
+            decoder_sparse_step=1,
+            tie_word_embeddings=False,
+        )
+        config = transformers.Qwen3VLMoeConfig(
+            text_config=text,
+            vision_config=self.tiny_vision(spec),
+            tie_word_embeddings=False,
+            **self.token_ids(tokenizer),
+        )
+        model = transformers.Qwen3VLMoeForConditionalGeneration(config)
+        return model, self.tiny_processor(spec, tokenizer)
+
+
+CODE = Qwen3VLMoe()

@@ -6,9 +6,13 @@ matrices all ask "is this model supported, how is it compiled, what does it supp
 a tiny one built, which test verifies it"; they read it here, so they cannot disagree
 (``tests/unit/test_families.py`` renders the matrices and compares them with the README).
 A family with code of its own (a processor subclass, vLLM's view of a vision-language
-architecture, how its prompts become embeddings) has one module named after it in this
-package, which its record names (``module``). :func:`get_rbln_model_info` is the lookup
-Rebellions' vllm-rbln exposes under the same name (``utils/optimum/registry.py``).
+architecture, how its prompts become embeddings, how a speech model is compiled) has one
+module named after it in this package, which its record names (``module``); what that module
+provides is its kind's contract (:mod:`rbln_ray.families.contract`), which :meth:`Family.code`
+checks. Facts the layers below this one need (the cost model's gated MLP) are passed down from
+here as data (:func:`rbln_ray.npu.cost_model.declare_ungated_mlp`): they cannot ask.
+:func:`get_rbln_model_info` is the lookup Rebellions' vllm-rbln exposes under the same name
+(``utils/optimum/registry.py``).
 
 A family is *supported* when a tiny model of it, built locally by :mod:`rbln_ray.models`,
 compiled with optimum-rbln 0.12 on the emulator and served by ``vllm.LLM`` is greedy
@@ -24,11 +28,12 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any, ClassVar
 
 from rbln_ray.common.artifact_files import HF_CONFIG, architectures
-from rbln_ray.families.tiny import TinyRecipe
+from rbln_ray.families.contract import FamilyCode, SpeechCode, VisionCode
+from rbln_ray.families.tiny import LATER_SHAPE_FIELDS, ROBERTA_PAIR, TinyRecipe
+from rbln_ray.npu.cost_model import declare_ungated_mlp
 
 GREEDY_TEST = "tests/vllm_plugin/test_zoo_greedy.py::test_family_greedy_matches_transformers"
 # The four decoder families verified before the zoo, by the original greedy test.
@@ -47,6 +52,12 @@ class Family:
     """What every kind of family has."""
 
     kind: ClassVar[str] = ""
+    # What a compiled directory of the family is read as (rbln_ray.compile.artifact):
+    # "decoder" (a causal LM's KV blocks and graphs), "encoder" or "speech".
+    artifact: ClassVar[str] = "decoder"
+    # The contract its module's code keeps (rbln_ray.families.contract); a kind whose
+    # contract is more than FamilyCode requires a module.
+    contract: ClassVar[type[FamilyCode]] = FamilyCode
     name: str  # rbln-ray's family name (``rbln-ray build-model <name>``)
     architecture: str  # transformers class, ``config.json`` ``architectures[0]``
     optimum_class: str  # the optimum-rbln class that compiles and runs it
@@ -54,17 +65,37 @@ class Family:
     verified_by: Mapping[str, str] = field(default_factory=dict)
     notes: str = ""
     module: str = ""  # the family's own module in this package, when it has code
+    # The optimum-rbln config class an artifact's ``rbln_config.json`` records (its cls_name).
+    config_class: str = field(init=False, default="")
 
-    @property
-    def config_class(self) -> str:
-        """The optimum-rbln config class an artifact's ``rbln_config.json`` records."""
-        return self.optimum_class + "Config"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "config_class", self.optimum_class + "Config")
 
-    def code(self) -> ModuleType:
-        """The family's own module (imported on first use: it may import vLLM)."""
+    def code(self) -> Any:
+        """The family's code (its module's ``CODE``, imported on first use: it may import
+        vLLM), checked against its kind's contract."""
         if not self.module:
             raise LookupError(f"family {self.name} has no module of its own")
-        return importlib.import_module(f"rbln_ray.families.{self.module}")
+        found = _CODE.get(self.name)
+        if found is None:
+            module = importlib.import_module(f"rbln_ray.families.{self.module}")
+            found = getattr(module, "CODE", None)
+            if not isinstance(found, self.contract):
+                raise TypeError(
+                    f"{module.__name__}.CODE is {type(found).__name__}, not a "
+                    f"{self.contract.__name__} (rbln_ray.families.contract)"
+                )
+            if found.missing():
+                raise TypeError(
+                    f"{module.__name__}.CODE ({type(found).__name__}) sets no "
+                    f"{', '.join(found.missing())}, which {self.contract.__name__} requires"
+                )
+            _CODE[self.name] = found
+        return found
+
+
+# Family name -> its checked code (Family.code).
+_CODE: dict[str, FamilyCode] = {}
 
 
 @dataclass(frozen=True)
@@ -97,6 +128,9 @@ class DecoderFamily(Family):
     # test_lora_quant_graphs.py (greedy against merged / dequantized transformers).
     lora: bool = False
     quantization: bool = False
+    # The MLP has a gate (gate/up/down: Llama, Gemma, Mixtral...); False: up and down only
+    # (GPT-2, OPT, Phi). The cost model counts its matrices (passed down by model_type).
+    gated_mlp: bool = True
 
     def compile_options(self, hf_config: Mapping[str, Any]) -> tuple[dict, dict]:
         """(extra ``rbln_config`` entries, extra Hugging Face loading options)."""
@@ -128,6 +162,7 @@ class EncoderFamily(Family):
     ``[batch, max_seq_len]`` tokens, pooling on the host in vLLM's own pooler."""
 
     kind: ClassVar[str] = "encoder"
+    artifact: ClassVar[str] = "encoder"
     input_names: tuple[str, ...] = ("input_ids", "attention_mask")  # graph inputs, in order
     # "embed" (every position's hidden state; vLLM pools and normalises) or "classify" (the
     # classifier's logits, head included: a cross-encoder's score, /v1/score and /v1/rerank)
@@ -164,6 +199,8 @@ class SpeechFamily(Family):
     of one batch of rows; served through vLLM's transcription front end."""
 
     kind: ClassVar[str] = "speech"
+    artifact: ClassVar[str] = "speech"
+    contract: ClassVar[type[FamilyCode]] = SpeechCode
     tasks: tuple[str, ...] = ("transcribe", "translate")
     examples: str = ""
 
@@ -175,6 +212,7 @@ class VisionFamily(Family):
     view, prompt embeddings, tiny recipe)."""
 
     kind: ClassVar[str] = "vision"
+    contract: ClassVar[type[FamilyCode]] = VisionCode
     vision_tower: str = ""  # the optimum-rbln class that encodes an image
     # The decoder family of its language model; or, when rbln-ray serves no text-only family
     # of it (optimum-rbln 0.12 compiles EXAONE-4 only inside EXAONE-4.5), its transformers
@@ -193,6 +231,10 @@ class VisionFamily(Family):
     # The class of the family's module vLLM's registry gets for the architecture when vLLM's
     # own module cannot be imported here ("": vLLM's own serves the front end).
     declaration: str = ""
+    # The decoder takes the cos/sin of M-RoPE positions (``position_embed``), computed on
+    # the host by optimum-rbln's model class (``_get_position_embeddings``: an internal the
+    # contract test checks for exactly these families' classes).
+    mrope: bool = False
 
     @property
     def tiny_language_family(self) -> str:
@@ -216,7 +258,7 @@ MOE_TOP_K = {"num_experts_per_tok": "$experts_per_token"}
 # and position_embedding_type, which transformers 5 no longer writes but vLLM 0.30 reads to
 # tell Jina's rotary XLM-R apart.
 ROBERTA = {
-    "max_position_embeddings": "$roberta_positions",
+    "max_position_embeddings": "$positions_after_pad",
     "type_vocab_size": 1,
     "bos_token_id": "$bos",
     "eos_token_id": "$eos",
@@ -232,6 +274,7 @@ _FAMILIES: tuple[Family, ...] = (
         "RBLNLlamaForCausalLM",
         "llama",
         verified_by={impl: f"{LLM_GREEDY_TEST}[llama-{impl}]" for impl in ("eager", "flash_attn")},
+        tiny=TinyRecipe("LlamaConfig", keyed_late=LATER_SHAPE_FIELDS),
         lora=True,
         quantization=True,
     ),
@@ -244,7 +287,7 @@ _FAMILIES: tuple[Family, ...] = (
             "eager": f"{LLM_GREEDY_TEST}[qwen2-eager]",
             "flash_attn": f"{GREEDY_TEST}[qwen2-flash_attn]",
         },
-        tiny=TinyRecipe("Qwen2Config"),
+        tiny=TinyRecipe("Qwen2Config", keyed_late=LATER_SHAPE_FIELDS),
         lora=True,
     ),
     _zoo(
@@ -256,7 +299,7 @@ _FAMILIES: tuple[Family, ...] = (
             "eager": f"{GREEDY_TEST}[qwen3-eager]",
             "flash_attn": f"{LLM_GREEDY_TEST}[qwen3-flash_attn]",
         },
-        tiny=TinyRecipe("Qwen3Config", {"head_dim": HEAD_DIM}),
+        tiny=TinyRecipe("Qwen3Config", {"head_dim": HEAD_DIM}, keyed_late=LATER_SHAPE_FIELDS),
         # no LoRA: optimum-rbln 0.12's Qwen3Attention never wraps its projections in LoRA
         # layers yet calls them with an adapter id (TypeError at compile)
         quantization=True,
@@ -268,7 +311,11 @@ _FAMILIES: tuple[Family, ...] = (
         "mistral",
         attention="optional",
         notes="verified with sliding_window set (every layer slides)",
-        tiny=TinyRecipe("MistralConfig", {"sliding_window": "$sliding_window"}),
+        tiny=TinyRecipe(
+            "MistralConfig",
+            {"sliding_window": "$sliding_window"},
+            keyed_late=LATER_SHAPE_FIELDS,
+        ),
     ),
     _zoo(
         "gemma",
@@ -336,6 +383,7 @@ _FAMILIES: tuple[Family, ...] = (
         "GPT2LMHeadModel",
         "RBLNGPT2LMHeadModel",
         "gpt2",
+        gated_mlp=False,
         tiny=TinyRecipe(
             "GPT2Config",
             rename={
@@ -353,6 +401,7 @@ _FAMILIES: tuple[Family, ...] = (
         "OPTForCausalLM",
         "RBLNOPTForCausalLM",
         "opt",
+        gated_mlp=False,
         tiny=TinyRecipe(
             "OPTConfig",
             {"word_embed_proj_dim": "$hidden_size"},
@@ -365,6 +414,7 @@ _FAMILIES: tuple[Family, ...] = (
         "PhiForCausalLM",
         "RBLNPhiForCausalLM",
         "phi",
+        gated_mlp=False,
         # Full multi-head attention and an MLP of 4 x hidden, as Phi-1/2 checkpoints have:
         # vLLM 0.30's Phi reads neither num_key_value_heads nor intermediate_size.
         tiny=TinyRecipe(
@@ -461,7 +511,7 @@ _FAMILIES: tuple[Family, ...] = (
         "XLMRobertaModel",
         "RBLNXLMRobertaModel",
         {"": EMBED_TEST},
-        tiny=TinyRecipe("XLMRobertaConfig", ROBERTA, framing="roberta"),
+        tiny=TinyRecipe("XLMRobertaConfig", ROBERTA, framing=ROBERTA_PAIR),
         examples="bge-m3, multilingual-e5",
     ),
     # Cross-encoder rerankers (no segment ids: RoBERTa has one)
@@ -471,7 +521,7 @@ _FAMILIES: tuple[Family, ...] = (
         "RBLNXLMRobertaForSequenceClassification",
         {"": EMBED_TEST},
         task="classify",
-        tiny=TinyRecipe("XLMRobertaConfig", ROBERTA, framing="roberta"),
+        tiny=TinyRecipe("XLMRobertaConfig", ROBERTA, framing=ROBERTA_PAIR),
         examples="bge-reranker-v2-m3",
     ),
     EncoderFamily(
@@ -480,7 +530,7 @@ _FAMILIES: tuple[Family, ...] = (
         "RBLNRobertaForSequenceClassification",
         {"": EMBED_TEST},
         task="classify",
-        tiny=TinyRecipe("RobertaConfig", ROBERTA, framing="roberta"),
+        tiny=TinyRecipe("RobertaConfig", ROBERTA, framing=ROBERTA_PAIR),
     ),
     # BERT cross-encoders (ms-marco MiniLM): a pair is [CLS] query [SEP] document [SEP], and
     # the segment ids tell the two apart. optimum-rbln 0.12 exports no class for it: rbln-ray's
@@ -556,6 +606,7 @@ _FAMILIES: tuple[Family, ...] = (
         "WhisperForConditionalGeneration",
         "RBLNWhisperForConditionalGeneration",
         {"": SPEECH_TEST},
+        module="whisper",
         examples="whisper-small, whisper-large-v3",
     ),
     # ---------------------------------------------------------------- vision-language
@@ -579,6 +630,7 @@ _FAMILIES: tuple[Family, ...] = (
         "RBLNQwen2VLForConditionalGeneration",
         {"": VISION_TEST},
         module="qwen2_vl",
+        mrope=True,
         declaration="RBLNQwen2VLDeclaration",
         inputs=("image", "video"),
         vision_tower="RBLNQwen2VisionTransformerPretrainedModel",
@@ -670,6 +722,7 @@ _FAMILIES: tuple[Family, ...] = (
         "RBLNQwen2_5_VLForConditionalGeneration",
         {"": VISION_TEST},
         module="qwen2_5_vl",
+        mrope=True,
         declaration="RBLNQwen2_5_VLDeclaration",
         inputs=("image", "video"),
         vision_tower="RBLNQwen2_5_VisionTransformerPretrainedModel",
@@ -686,6 +739,7 @@ _FAMILIES: tuple[Family, ...] = (
         "RBLNQwen3VLForConditionalGeneration",
         {"": VISION_TEST},
         module="qwen3_vl",
+        mrope=True,
         declaration="RBLNQwen3VLDeclaration",
         inputs=("image", "video"),
         vision_tower="RBLNQwen3VLVisionModel",
@@ -700,6 +754,7 @@ _FAMILIES: tuple[Family, ...] = (
         "RBLNQwen3VLMoeForConditionalGeneration",
         {"": VISION_TEST},
         module="qwen3_vl_moe",
+        mrope=True,
         declaration="RBLNQwen3VLMoeDeclaration",
         inputs=("image", "video"),
         vision_tower="RBLNQwen3VLMoeVisionModel",
@@ -715,6 +770,7 @@ _FAMILIES: tuple[Family, ...] = (
         "RBLNQwen3_5ForConditionalGeneration",
         {"": VISION_TEST},
         module="qwen3_5",
+        mrope=True,
         declaration="RBLNQwen3_5Declaration",
         inputs=("image", "video"),
         vision_tower="RBLNQwen3_5VisionModel",
@@ -760,6 +816,14 @@ SPEECH: dict[str, SpeechFamily] = {f.name: f for f in _FAMILIES if isinstance(f,
 _BY_ARCH: dict[str, Family] = {
     f.architecture: f for f in _FAMILIES if not isinstance(f, PoolingDecoderFamily)
 }
+# What a compiled artifact's rbln_config.json cls_name names (the first family compiled with
+# that class: a decoder before a pooling family reading the same causal LM).
+_BY_CONFIG_CLASS: dict[str, Family] = {}
+for _f in _FAMILIES:
+    _BY_CONFIG_CLASS.setdefault(_f.config_class, _f)
+
+# The cost model (rbln_ray.npu, below this layer) counts MLP matrices by model_type.
+declare_ungated_mlp(f.model_type for f in DECODERS.values() if not f.gated_mlp)
 
 # optimum-rbln 0.12 classes rbln-ray does not serve, and why (refused with the reason).
 UNSUPPORTED: dict[str, str] = {
@@ -884,7 +948,24 @@ def embedder_of(decoder: Family) -> PoolingDecoderFamily | None:
 
 def family_for_config_class(cls_name: str) -> Family | None:
     """The family of a compiled artifact from its ``rbln_config.json`` ``cls_name``."""
-    return next((f for f in _FAMILIES if f.config_class == cls_name), None)
+    return _BY_CONFIG_CLASS.get(cls_name)
+
+
+def artifact_family(model_dir: str | Path, cls_name: str) -> Family:
+    """The family a compiled directory is served as, in one lookup: its ``config.json``
+    architecture's, except that a decoder's checkpoint compiled as one of its pooling
+    families (``cls_name``, its ``rbln_config.json`` class: e.g. ``RBLNQwen3ModelConfig``,
+    the Qwen3 embedder) is that family. Raises :class:`UnsupportedModelError` naming the
+    supported architectures. The record's ``artifact`` says how to read the directory."""
+    found = family_for_dir(model_dir)
+    compiled = _BY_CONFIG_CLASS.get(cls_name)
+    if (
+        isinstance(compiled, PoolingDecoderFamily)
+        and isinstance(found, DecoderFamily)
+        and compiled.decoder_family == found.name
+    ):
+        return compiled
+    return found
 
 
 def get_rbln_model_info(config: Mapping[str, Any] | Any) -> tuple[str, str]:

@@ -18,6 +18,16 @@ from typing import Any
 # Sliding window of the hybrid families' tiny models: shorter than the test prompts, so the
 # window matters (optimum requires window <= 32768 - prefill_chunk_size on ATOM).
 DEFAULT_WINDOW = 64
+# Shape fields (rbln_ray.models.TinyModelSpec) added after the first families' tiny models
+# were cached: a recipe that names them in ``keyed_late`` leaves them out of its models' cache
+# keys while they are at their defaults, so those models keep their directories (and compiles).
+LATER_SHAPE_FIELDS = ("sliding_window", "num_experts", "experts_per_token")
+# How a tiny encoder's tokenizer frames a pair of inputs (tokenizers' TemplateProcessing, the
+# tokenizer's own first and last tokens for {bos} and {eos}): BERT's [CLS] A [SEP] B [SEP]
+# with segment ids, RoBERTa's <s> A </s></s> B </s> in one segment. A single input is framed
+# {bos} A {eos} either way.
+BERT_PAIR = "{bos}:0 $A:0 {eos}:0 $B:1 {eos}:1"
+ROBERTA_PAIR = "{bos}:0 $A:0 {eos}:0 {eos}:0 $B:0 {eos}:0"
 
 
 @dataclass(frozen=True)
@@ -32,11 +42,14 @@ class TinyRecipe:
     # How the checkpoint is saved: "" (as transformers saves it) or "mxfp4" (experts in
     # OpenAI's MXFP4 blocks and scales, as gpt-oss is published)
     checkpoint: str = ""
-    # Encoders: how the tokenizer frames inputs ("bert": [CLS] A [SEP] B [SEP] with segment
-    # ids; "roberta": <s> A </s></s> B </s>, one segment)
-    framing: str = "bert"
-    # Bumped when a recipe changes after its models were cached (joins the cache key).
+    # Encoders: how the tokenizer frames a pair of inputs (BERT_PAIR, ROBERTA_PAIR)
+    framing: str = BERT_PAIR
+    # The family's cache-key history: bumped when a recipe changes after its models were
+    # cached (joins the cache key) ...
     revision: int = 0
+    # ... and the shape fields added after its first models were cached (LATER_SHAPE_FIELDS),
+    # left out of the key while at their defaults.
+    keyed_late: tuple[str, ...] = ()
 
     def config_kwargs(self, common: Mapping[str, Any], derived: Mapping[str, Any]) -> dict:
         """The config's keyword arguments from the common ones and the derived values."""

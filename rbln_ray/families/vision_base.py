@@ -1,5 +1,6 @@
 """What every vision-language family module builds on: the prompt embeddings the RBLN runner
-feeds a compiled decoder, and the never-run model class vLLM's registry inspects.
+feeds a compiled decoder, the never-run model class vLLM's registry inspects, and the pieces
+every family's tiny model shares (its language model's config).
 
 Why here: optimum-rbln compiles the vision tower and the projector as their own graphs (one
 image per call) and the language model's prefill takes ``inputs_embeds`` (ARCHITECTURE §4).
@@ -21,12 +22,16 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from rbln_ray.families.registry import DECODERS
+from rbln_ray.families.tiny import decoder_config
 
 logger = logging.getLogger(__name__)
 
@@ -161,8 +166,30 @@ def not_on_rbln(*_: Any, **__: Any) -> Any:
     )
 
 
+def one_image(pixels: torch.Tensor) -> torch.Tensor:
+    """An image's processed pixels as a batch of one ``[1, C, H, W]`` (vLLM hands one image
+    as ``[C, H, W]``), what optimum's ``get_image_features`` takes."""
+    return pixels.unsqueeze(0) if pixels.dim() == 3 else pixels
+
+
 class Declaration(nn.Module):
-    """What vLLM's model interface asks of a declaration, none of which runs on RBLN."""
+    """What vLLM's model interface asks of a declaration, none of which runs on RBLN.
+
+    ``PLACEHOLDERS``: what one item of each modality is in a prompt (None: the processor
+    places it), which vLLM's chat rendering asks for (:meth:`get_placeholder_str`).
+    """
+
+    PLACEHOLDERS: ClassVar[Mapping[str, str | None]] = {}
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        not_on_rbln()
+
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
+        for kind, text in cls.PLACEHOLDERS.items():
+            if modality.startswith(kind):
+                return text
+        raise ValueError(f"only {' and '.join(cls.PLACEHOLDERS)} inputs are supported")
 
     def embed_input_ids(self, input_ids: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
         return not_on_rbln()
@@ -192,3 +219,37 @@ def image_processor_settings(model_dir: str | Path) -> dict[str, Any]:
         if settings:
             return settings
     raise FileNotFoundError(f"{path} has no image processor settings ({PREPROCESSOR_CONFIG})")
+
+
+# ----------------------------------------------------------------------------- tiny models
+def tiny_text_kwargs(spec: Any, tokenizer: Any) -> dict[str, Any]:
+    """The tiny language model's shape as config keyword arguments, its vocabulary and special
+    ids the tokenizer's: what a family that writes its text config itself (the Qwen
+    families' M-RoPE sections, EXAONE-4) starts from."""
+    language = spec.language
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=language.hidden_size,
+        intermediate_size=language.intermediate_size,
+        num_hidden_layers=language.num_layers,
+        num_attention_heads=language.num_heads,
+        num_key_value_heads=language.num_kv_heads,
+        max_position_embeddings=language.max_position_embeddings,
+        initializer_range=language.initializer_range,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def tiny_text_config(spec: Any, tokenizer: Any) -> Any:
+    """The tiny language model's transformers config: its decoder family's tiny recipe
+    (:attr:`rbln_ray.families.registry.DecoderFamily.tiny`) at the spec's language shape, with
+    the tokenizer's vocabulary and special ids."""
+    return decoder_config(
+        DECODERS[spec.language.family].tiny,
+        replace(spec.language, vocab_size=len(tokenizer)),
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )

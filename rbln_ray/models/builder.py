@@ -22,10 +22,6 @@ from rbln_ray.models.tokenizer import build_tokenizer
 logger = logging.getLogger(__name__)
 
 FAMILIES = tuple(DECODERS)
-# Families whose tiny-model cache keys predate the fields below: a field at its default is
-# left out of their key, so existing cached models keep their directories.
-_LEGACY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-_LATER_FIELDS = ("sliding_window", "num_experts", "experts_per_token")
 
 
 @dataclass(frozen=True)
@@ -65,18 +61,19 @@ class TinyModelSpec:
             raise ValueError(f"head_dim {self.hidden_size // self.num_heads} < 32")
 
     def key_fields(self) -> dict:
-        """The fields that identify this model in cache keys (see ``_LATER_FIELDS``)."""
+        """The fields that identify this model in cache keys: its family recipe's cache-key
+        history (:class:`rbln_ray.families.tiny.TinyRecipe` ``keyed_late``, ``revision``)
+        decides which are left out."""
         fields = asdict(self)
         if not self.added_tokens:  # absent from every key made before the field existed
             del fields["added_tokens"]
-        if self.family in _LEGACY_FAMILIES:
-            defaults = TinyModelSpec.__dataclass_fields__
-            for name in _LATER_FIELDS:
-                if fields[name] == defaults[name].default:
-                    del fields[name]
-        revision = DECODERS[self.family].tiny.revision
-        if revision:  # a recipe changed after its first models were cached
-            fields["recipe"] = revision
+        recipe = DECODERS[self.family].tiny
+        defaults = TinyModelSpec.__dataclass_fields__
+        for name in recipe.keyed_late:
+            if fields[name] == defaults[name].default:
+                del fields[name]
+        if recipe.revision:  # a recipe changed after its first models were cached
+            fields["recipe"] = recipe.revision
         return fields
 
     def key(self) -> str:

@@ -1,4 +1,5 @@
-"""The demo model: a small Llama trained briefly on local Python sources, cached.
+"""The demo model: a small Llama trained briefly on local Python sources, cached, and how it is
+compiled.
 
 Why: a random-weight model proves token-exactness but writes gibberish; an operator trying
 ``rbln-ray serve`` should see recognisable (Python-like) text. Nothing can be downloaded, so
@@ -6,6 +7,11 @@ the model is trained here once, on the standard library sources, with a progress
 cached under the user cache dir. Training is seeded; results may differ in the last bits
 across machines, which is fine: tests compare serving output with transformers' output on
 whatever weights were trained.
+
+A served model named ``"demo"`` (:data:`DEMO_MODEL`) is this model compiled with
+:data:`DEMO_COMPILE` under whatever compile settings its config sets: :func:`resolve_model`
+is the one place that turns the name into a directory and settings, for ``rbln-ray serve``
+(which compiles in the foreground) and a Serve replica alike.
 """
 
 from __future__ import annotations
@@ -18,10 +24,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rbln_ray.common.paths import atomic_dir, cache_dir, file_lock
+from rbln_ray.compile.settings import CompileSettings
 from rbln_ray.models.builder import TinyModelSpec, make_config
 from rbln_ray.models.tokenizer import build_tokenizer, corpus_files
 
 logger = logging.getLogger(__name__)
+
+
+# What a config names the demo model by.
+DEMO_MODEL = "demo"
+# The demo model's compile settings: batch 4 with smaller decode graphs for light load.
+DEMO_COMPILE = {"batch_size": 4, "max_seq_len": 1024, "decoder_batch_sizes": (4, 2, 1)}
 
 
 @dataclass(frozen=True)
@@ -136,3 +149,21 @@ def demo_model_dir(recipe: DemoTraining | None = None) -> Path:
         if not (out / "config.json").exists():
             train_demo_model(out, recipe)
     return out
+
+
+def demo_compile(given: CompileSettings | None = None) -> CompileSettings:
+    """The demo model's compile settings: :data:`DEMO_COMPILE` under the settings ``given``
+    sets explicitly (a config's ``compile:``)."""
+    explicit = given.model_dump(exclude_unset=True) if given is not None else {}
+    return CompileSettings(**{**DEMO_COMPILE, **explicit})
+
+
+def resolve_model(
+    model: str, settings: CompileSettings | None = None
+) -> tuple[str, CompileSettings]:
+    """``(directory, compile settings)`` of a served model: ``"demo"`` is the trained demo
+    model (trained on first use) with :func:`demo_compile`; any other model is its own
+    directory with the settings as given."""
+    if model == DEMO_MODEL:
+        return str(demo_model_dir()), demo_compile(settings)
+    return model, settings or CompileSettings()

@@ -45,22 +45,19 @@ class TinyEncoderSpec:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _framed_tokenizer(vocab_size: int, roberta: bool, segments: bool):
-    """The local BPE tokenizer, framed as the family frames its inputs: BERT's
-    ``[CLS] A [SEP] B [SEP]`` with segment ids (when the model takes them: ModernBERT frames
-    pairs alike without), or RoBERTa's ``<s> A </s></s> B </s>`` (one segment)."""
+def _framed_tokenizer(vocab_size: int, pair: str, segments: bool):
+    """The local BPE tokenizer, framed as the family frames its inputs (``pair``: its
+    recipe's template of a pair, :data:`rbln_ray.families.tiny.BERT_PAIR` and the like), with
+    segment ids when the model takes them (ModernBERT frames pairs as BERT does, without)."""
     from tokenizers import Tokenizer
     from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer.from_file(str(build_tokenizer(vocab_size) / "tokenizer.json"))
     cls_id, sep_id = tok.token_to_id(BOS), tok.token_to_id(EOS)
-    pair = f"{BOS}:0 $A:0 {EOS}:0 $B:1 {EOS}:1"
-    if roberta:
-        pair = f"{BOS}:0 $A:0 {EOS}:0 {EOS}:0 $B:0 {EOS}:0"
     tok.post_processor = TemplateProcessing(
         single=f"{BOS}:0 $A:0 {EOS}:0",
-        pair=pair,
+        pair=pair.format(bos=BOS, eos=EOS),
         special_tokens=[(BOS, cls_id), (EOS, sep_id)],
     )
     names = ["input_ids", "attention_mask"]
@@ -94,8 +91,8 @@ def _config(spec: TinyEncoderSpec, tokenizer):
         "max_position_embeddings": spec.max_position_embeddings,
     }
     derived = {
-        # RoBERTa's positions start after the padding id
-        "roberta_positions": spec.max_position_embeddings + tokenizer.pad_token_id + 1,
+        # positions that start after the padding id (RoBERTa-style checkpoints)
+        "positions_after_pad": spec.max_position_embeddings + tokenizer.pad_token_id + 1,
         "bos": tokenizer.bos_token_id,
         "eos": tokenizer.eos_token_id,
     }
@@ -115,9 +112,8 @@ def build_tiny_encoder(
     if (out / "config.json").exists():
         return out
     family = ENCODERS[spec.family]
-    roberta = family.tiny.framing == "roberta"
     segments = "token_type_ids" in family.input_names
-    tokenizer = _framed_tokenizer(spec.vocab_size, roberta=roberta, segments=segments)
+    tokenizer = _framed_tokenizer(spec.vocab_size, family.tiny.framing, segments=segments)
     config = _config(spec, tokenizer)
     torch.manual_seed(spec.seed)
     model_cls = getattr(transformers, family.architecture)

@@ -1,15 +1,11 @@
-"""A deterministic tiny Whisper with Whisper's real feature extractor and tokenizer layout, and
-test audio, built offline.
+"""A deterministic tiny speech-to-text model (Whisper) and test audio, built offline.
 
 Why: the speech tests compare rbln-ray with transformers' ``generate`` on the same weights, so
-they need a real Whisper directory (``WhisperForConditionalGeneration``, a
-``WhisperProcessor`` whose feature extractor makes the 80 log-mel bins x 3000 frames of a
-30-second window, and a tokenizer with Whisper's special tokens), built without a model hub.
-The tokenizer's text vocabulary is the local byte-level BPE's (:mod:`.tokenizer`) without its
-own special tokens, followed by Whisper's layout: ``<|endoftext|>``, ``<|startoftranscript|>``,
-the 100 language tokens, the task tokens, ``<|notimestamps|>``, then 1501 timestamp tokens
-(``<|0.00|>`` .. ``<|30.00|>``), so that transformers' and vLLM's notions of where timestamps
-begin agree.
+they need a real model directory (``WhisperForConditionalGeneration``, a ``WhisperProcessor``
+whose feature extractor makes the 80 log-mel bins x 3000 frames of a 30-second window, and a
+tokenizer with Whisper's special tokens), built without a model hub. The recipe and the
+tokenizer's layout are the family's (:mod:`rbln_ray.families.whisper`); the tokenizer's text
+vocabulary is the local byte-level BPE's (:mod:`.tokenizer`) without its own special tokens.
 """
 
 from __future__ import annotations
@@ -23,23 +19,17 @@ import subprocess
 import wave
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from rbln_ray.common.paths import atomic_dir, cache_dir
+from rbln_ray.families.registry import SPEECH
 from rbln_ray.models.tokenizer import BOS, EOS, PAD, build_tokenizer
 
 logger = logging.getLogger(__name__)
 
 SAMPLE_RATE = 16_000  # Whisper's
-WHISPER_SPECIALS_AFTER_LANGUAGES = (
-    "<|translate|>",
-    "<|transcribe|>",
-    "<|startoflm|>",
-    "<|startofprev|>",
-    "<|nospeech|>",
-    "<|notimestamps|>",
-)
 
 
 @dataclass(frozen=True)
@@ -62,11 +52,8 @@ class TinyWhisperSpec:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _whisper_tokenizer(vocab_size: int):
-    """Whisper's tokenizer over the local BPE's text vocabulary (its own specials dropped)."""
-    from transformers import AddedToken, WhisperTokenizer
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES
-
+def _tokenizer(code: Any, vocab_size: int) -> Any:
+    """The family's tokenizer over the local BPE's text vocabulary (its own specials dropped)."""
     raw = json.loads((build_tokenizer(vocab_size) / "tokenizer.json").read_text())
     specials = {BOS, EOS, PAD}
     kept = sorted(
@@ -77,21 +64,7 @@ def _whisper_tokenizer(vocab_size: int):
     merges = [
         tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in raw["model"]["merges"]
     ]
-    tokenizer = WhisperTokenizer(vocab=vocab, merges=merges)
-    names = (
-        ["<|endoftext|>", "<|startoftranscript|>"]
-        + [f"<|{code}|>" for code in LANGUAGES]
-        + list(WHISPER_SPECIALS_AFTER_LANGUAGES)
-    )
-    # extra_special_tokens, not add_tokens(special_tokens=True): only these join
-    # all_special_ids, from which transformers derives where timestamps begin
-    tokenizer.add_special_tokens(
-        {"extra_special_tokens": [AddedToken(n, special=True, normalized=False) for n in names]}
-    )
-    tokenizer.add_tokens(
-        [AddedToken(f"<|{i * 0.02:.2f}|>", special=False, normalized=False) for i in range(1501)]
-    )
-    return tokenizer
+    return code.tiny_tokenizer(vocab, merges)
 
 
 def build_tiny_whisper(
@@ -99,65 +72,15 @@ def build_tiny_whisper(
 ) -> Path:
     """Build (once, cached by spec) a random-weight Whisper directory with its processor."""
     import torch
-    from transformers import (
-        GenerationConfig,
-        WhisperConfig,
-        WhisperFeatureExtractor,
-        WhisperForConditionalGeneration,
-        WhisperProcessor,
-    )
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
     spec = spec or TinyWhisperSpec(**kw)
     out = out_dir or cache_dir() / "models" / f"tiny-whisper-{spec.key()}"
     if (out / "config.json").exists():
         return out
-    tokenizer = _whisper_tokenizer(spec.vocab_size)
-    ids = tokenizer.convert_tokens_to_ids
-    eot, sot = ids("<|endoftext|>"), ids("<|startoftranscript|>")
-    config = WhisperConfig(
-        vocab_size=len(tokenizer),
-        num_mel_bins=spec.num_mel_bins,
-        d_model=spec.d_model,
-        encoder_layers=spec.layers,
-        decoder_layers=spec.layers,
-        encoder_attention_heads=spec.heads,
-        decoder_attention_heads=spec.heads,
-        encoder_ffn_dim=spec.ffn_dim,
-        decoder_ffn_dim=spec.ffn_dim,
-        max_source_positions=1500,  # the feature extractor's 3000 frames, conv stride 2
-        max_target_positions=448,
-        pad_token_id=eot,
-        bos_token_id=eot,
-        eos_token_id=eot,
-        decoder_start_token_id=sot,
-        # vLLM applies neither: the reference must not either
-        suppress_tokens=None,
-        begin_suppress_tokens=None,
-        init_std=spec.init_std,
-        architectures=["WhisperForConditionalGeneration"],
-        torch_dtype="float32",
-    )
+    code = SPEECH["whisper"].code()
+    tokenizer = _tokenizer(code, spec.vocab_size)
     torch.manual_seed(spec.seed)
-    model = WhisperForConditionalGeneration(config).eval()
-    model.generation_config = GenerationConfig(
-        decoder_start_token_id=sot,
-        eos_token_id=eot,
-        pad_token_id=eot,
-        bos_token_id=eot,
-        max_length=448,
-        is_multilingual=True,
-        lang_to_id={f"<|{c}|>": ids(f"<|{c}|>") for c in LANGUAGES},
-        task_to_id={"transcribe": ids("<|transcribe|>"), "translate": ids("<|translate|>")},
-        no_timestamps_token_id=ids("<|notimestamps|>"),
-        prev_sot_token_id=ids("<|startofprev|>"),
-        suppress_tokens=None,
-        begin_suppress_tokens=None,
-    )
-    processor = WhisperProcessor(
-        feature_extractor=WhisperFeatureExtractor(feature_size=spec.num_mel_bins),
-        tokenizer=tokenizer,
-    )
+    model, processor = code.tiny_model(spec, tokenizer)
     logger.info("building a tiny Whisper at %s", out)
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)

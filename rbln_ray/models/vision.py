@@ -4,8 +4,8 @@ Why: the vision-language tests compare rbln-ray with transformers' own ``generat
 same weights and the same processor inputs, which needs a real Hugging Face directory (model,
 tokenizer with the family's image tokens, image processor, chat template), built offline.
 The shape is common to every family (:class:`TinyVisionLanguageSpec`); the recipe (configs,
-PIL image processor: the project venv has no torchvision) is the family module's
-``tiny_model`` (:mod:`rbln_ray.families`).
+PIL image processor: the project venv has no torchvision) is the family's code, its contract's
+``tiny_model`` (:class:`rbln_ray.families.contract.VisionCode`).
 """
 
 from __future__ import annotations
@@ -17,16 +17,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rbln_ray.common.paths import atomic_dir, cache_dir
+from rbln_ray.families.contract import GENERATION_PROMPT
 from rbln_ray.families.registry import VISION
 from rbln_ray.models.builder import TinyModelSpec
 from rbln_ray.models.tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-# What the chat template appends for the model's answer (a family module's GENERATION_PROMPT
-# replaces it: PaliGemma's processor ends every prompt with its own newline).
-GENERATION_PROMPT = "<|assistant|>\n"
 
 
 def chat_template(image: str, generation_prompt: str = GENERATION_PROMPT) -> str:
@@ -78,7 +74,7 @@ class TinyVisionLanguageSpec:
         wanted = VISION[self.family].tiny_language_family
         if self.language is None:
             object.__setattr__(self, "language", TinyModelSpec(family=wanted))
-        for name, value in getattr(VISION[self.family].code(), "SPEC_DEFAULTS", {}).items():
+        for name, value in VISION[self.family].code().SPEC_DEFAULTS.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
         if self.language.family != wanted:
@@ -114,15 +110,13 @@ def build_tiny_vlm(
         return out
     code = VISION[spec.family].code()
     # named special tokens (tokenizer.image_token, ...) the family's processor looks up
-    named = getattr(code, "NAMED_TOKENS", None)
+    named = code.NAMED_TOKENS
     tokenizer = AutoTokenizer.from_pretrained(
         build_tokenizer(spec.language.vocab_size),
         **({"extra_special_tokens": dict(named)} if named else {}),
     )
     tokenizer.add_special_tokens({"additional_special_tokens": list(code.SPECIAL_TOKENS)})
-    tokenizer.chat_template = chat_template(
-        code.PLACEHOLDER, getattr(code, "GENERATION_PROMPT", GENERATION_PROMPT)
-    )
+    tokenizer.chat_template = chat_template(code.PLACEHOLDER, code.GENERATION_PROMPT)
     torch.manual_seed(spec.seed)
     model, processor = code.tiny_model(spec, tokenizer)
     model = model.eval()

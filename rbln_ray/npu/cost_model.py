@@ -71,6 +71,7 @@ Overrides (environment, all optional; they apply to whichever kind is emulated):
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,17 @@ from rbln_ray.common import envs
 from rbln_ray.npu import kinds
 
 DEVICE_DRAM_BYTES = kinds.ATOM.budget  # ATOM's usable DRAM (the default device)
+
+# config.json model_types whose MLP has no gate (up and down only). Which families those are
+# is a fact of the family registry (DecoderFamily.gated_mlp), a layer above this one: it
+# passes them down when it loads (declare_ungated_mlp); this layer names no family.
+_UNGATED_MLP: set[str] = set()
+
+
+def declare_ungated_mlp(model_types: Iterable[str]) -> None:
+    """Record ``config.json`` model_types whose MLP is up/down only (no gate), which
+    :meth:`ModelShape.from_hf_config` then costs with two matrices, not three."""
+    _UNGATED_MLP.update(model_types)
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -283,7 +295,8 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "custom") -> ModelShape:
         """The shape of an HF ``config.json`` (Llama-style names; GPT2's ``n_*``, OPT's
-        ``ffn_dim``, the MoE families' expert fields understood)."""
+        ``ffn_dim``, the MoE families' expert fields understood; the MLP gated unless its
+        model_type was declared otherwise, :func:`declare_ungated_mlp`)."""
         cfg = {**cfg.get("text_config", {}), **cfg} if "text_config" in cfg else cfg
         heads = int(cfg.get("num_attention_heads") or cfg["n_head"])
         hidden = int(cfg.get("hidden_size") or cfg["n_embd"])
@@ -301,7 +314,7 @@ class ModelShape:
             vocab_size=int(cfg["vocab_size"]),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             name=name,
-            gated_mlp=model_type not in ("gpt2", "opt", "phi"),
+            gated_mlp=model_type not in _UNGATED_MLP,
             num_experts=experts,
             experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
             shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0),

@@ -94,9 +94,20 @@ PRESETS: dict[str, SpeechShape] = {
 }
 
 
+# What marks a config.json as an encoder-decoder's (transformers' names, which Whisper's
+# config uses): the cost model reads its shape from them.
+ENCODER_DECODER_KEYS = ("d_model", "encoder_layers", "decoder_layers")
+
+
+def is_speech_config(cfg: dict[str, Any]) -> bool:
+    """Whether a ``config.json`` is an encoder-decoder's this cost model reads (by its keys:
+    which family it is, is the registry's business, above this layer)."""
+    return all(key in cfg for key in ENCODER_DECODER_KEYS)
+
+
 def speech_shape_from_spec(spec: str) -> SpeechShape | None:
-    """A Whisper preset name, a config.json path (or its directory) or a JSON object of a
-    Whisper config; None when ``spec`` names no speech model."""
+    """A speech preset name, a config.json path (or its directory) or a JSON object of an
+    encoder-decoder config; None when ``spec`` names no speech model."""
     spec = spec.strip()
     if spec.lower() in PRESETS:
         return PRESETS[spec.lower()]
@@ -108,7 +119,7 @@ def speech_shape_from_spec(spec: str) -> SpeechShape | None:
         if not path.is_file():
             return None
         cfg = json.loads(path.read_text())
-    if cfg.get("model_type") != "whisper" and "d_model" not in cfg:
+    if not is_speech_config(cfg):
         return None
     return SpeechShape.from_hf_config(cfg, name=cfg.get("_name_or_path") or "custom")
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rbln_ray.compile.pipeline_manifest import PipelineManifest, StageSpec
+from rbln_ray.upstream import rebel_internals
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class StageModel:
     def copy_kv_blocks(self, copies: list[tuple[int, int, int]]) -> None:
         """On-device KV copies for this stage's layers (its runtimes share one load)."""
         for src, dst, tokens in copies:
-            self.prefill_rt._copy_kv_cache(src, dst, tokens)
+            rebel_internals.copy_kv_cache(self.prefill_rt, src, dst, tokens)
 
     def prefill_decoder(self, input_ids, cache_position, block_tables, **_: Any):
         """optimum's prefill call: ``input_ids`` are token ids on the first stage, hidden

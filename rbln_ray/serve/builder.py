@@ -16,6 +16,8 @@ from ray.serve.config import RequestRouterConfig
 
 from rbln_ray.compile.artifact import CompiledArtifact, is_compiled_dir, load_artifact
 from rbln_ray.compile.encoders import EncoderArtifact
+from rbln_ray.compile.settings import CompileSettings
+from rbln_ray.models.demo import demo_compile
 from rbln_ray.serve.capacity import ReplicaShape, wait_placeable
 from rbln_ray.serve.config import (
     DEMO_MODEL,
@@ -37,10 +39,16 @@ INGRESS_NAME = "OpenAIIngress"
 
 def served_artifact(cfg: ModelDeploymentConfig) -> CompiledArtifact | EncoderArtifact | None:
     """The compiled artifact a replica serves (a decoder's or an encoder's); None when it
-    compiles at start (demo, HF dir), with the settings in ``cfg.compile``."""
+    compiles at start (demo, HF dir), with :func:`start_compile`."""
     if cfg.model == DEMO_MODEL or not is_compiled_dir(cfg.model):
         return None
     return load_artifact(cfg.model)
+
+
+def start_compile(cfg: ModelDeploymentConfig) -> CompileSettings:
+    """The settings a model compiled at start is compiled with: ``cfg.compile`` (the demo's
+    recipe under them for the demo model, rbln_ray.models.demo)."""
+    return demo_compile(cfg.compile) if cfg.model == DEMO_MODEL else cfg.compile
 
 
 def worker_layout(cfg: ModelDeploymentConfig) -> tuple[int, int]:
@@ -61,20 +69,20 @@ def worker_layout(cfg: ModelDeploymentConfig) -> tuple[int, int]:
             f"model {cfg.name}: pipeline_stages={cfg.pipeline_stages} needs a staged artifact; "
             "compile one with `rbln-ray compile HF_DIR OUT --pipeline-stages S` and serve OUT"
         )
-    return 1, cfg.devices_per_worker or cfg.compile.num_devices
+    return 1, cfg.devices_per_worker or start_compile(cfg).num_devices
 
 
 def compiled_batch_size(cfg: ModelDeploymentConfig) -> int:
     """Decode slots of one engine: the artifact's batch, or the batch it will be compiled with."""
     art = served_artifact(cfg)
-    return art.batch_size if art is not None else cfg.compile.batch_size
+    return art.batch_size if art is not None else start_compile(cfg).batch_size
 
 
 def compiled_sequences(cfg: ModelDeploymentConfig) -> int:
     """Sequences one engine runs at once: what the artifact's KV cache and decode graphs hold
     (all micro-batches of a staged one), or the batch it will be compiled with."""
     art = served_artifact(cfg)
-    return art.max_num_seqs if art is not None else cfg.compile.batch_size
+    return art.max_num_seqs if art is not None else start_compile(cfg).batch_size
 
 
 def engine_config(cfg: ModelDeploymentConfig) -> ModelDeploymentConfig:
@@ -92,7 +100,7 @@ def compiled_max_seq_len(cfg: ModelDeploymentConfig) -> int | None:
     art = served_artifact(cfg)
     if art is not None:
         return art.max_seq_len
-    return cfg.compile.max_seq_len
+    return start_compile(cfg).max_seq_len
 
 
 def accepts_images(cfg: ModelDeploymentConfig) -> bool:
@@ -136,9 +144,9 @@ def build_server(
         "placement_group_strategy": cfg.placement_strategy,
         "max_ongoing_requests": replica_max_ongoing(cfg),
         "max_queued_requests": cfg.max_queued_requests,
-        "health_check_period_s": 5,
-        "health_check_timeout_s": 30,
-        "graceful_shutdown_timeout_s": 30,
+        "health_check_period_s": cfg.health_check_period_s,
+        "health_check_timeout_s": cfg.health_check_timeout_s,
+        "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
         "ray_actor_options": {"num_cpus": 0},
     }
     if routing == "prefix_affinity":  # it also pins calls about stored responses

@@ -20,7 +20,12 @@ What the router knows, per replica:
   the prefill itself, so the prompt blocks of requests this router sent a replica count as
   held there while they run and for :data:`RECENT_TTL_S` after;
 * **its load**: requests in flight (this router's count, or Serve's queue-length cache when
-  larger: other ingress replicas route too) against its ``max_ongoing_requests``;
+  larger: other ingress replicas route too) against its ``max_ongoing_requests``. With
+  several ingress replicas each router counts only its own sends, and Serve's cache forgets
+  a replica after 10 s without a send there (at 1,024 replicas a router reaches each one
+  every ~10 s): so replicas also report their load with their cache, every router takes
+  ``reported - its own count`` when it first sees a report as the load the other routers
+  put there, and counts ``its own + that`` (:meth:`CacheAwareRouter._known_load`);
 * **its service times**: each replica also reports how long its recent requests took to
   prefill per uncached token and how long they held a decode slot
   (:mod:`rbln_ray.serve.service_times`, from vLLM's request stats);
@@ -101,7 +106,12 @@ from rbln_ray.serve.kv_index import (
     slots_of,
 )
 from rbln_ray.serve.routing import PREFIX_CHARS, fixed_choice, rank
-from rbln_ray.serve.service_times import STATS_PREFILL_S_PER_TOKEN, STATS_SERVICE_S
+from rbln_ray.serve.service_times import (
+    STATS_LOAD,
+    STATS_PREFILL_S_PER_TOKEN,
+    STATS_REPORT,
+    STATS_SERVICE_S,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -326,11 +336,9 @@ class PromptTokenizer:
             try:
                 from transformers import AutoTokenizer
 
-                path = self.path
-                if path == "demo":
-                    from rbln_ray.models import demo_model_dir
+                from rbln_ray.models.demo import resolve_model
 
-                    path = str(demo_model_dir())
+                path, _ = resolve_model(self.path)  # "demo": the trained demo model
                 tokenizer = AutoTokenizer.from_pretrained(path)
                 self._template_kwargs = template_variables(tokenizer)
                 self._tokenizer = tokenizer
@@ -617,6 +625,10 @@ class CacheAwareRouter(RequestRouter):
         self._pending: OrderedDict[str, _Request] = OrderedDict()
         self._inflight: dict[str, tuple[str, _Request]] = {}  # request id -> replica, request
         self._load: Counter[str] = Counter()
+        # Load other routers put on a replica, as of its last report (replica id -> load),
+        # and which report that was (its sequence number).
+        self._others: dict[str, int] = {}
+        self._others_report: dict[str, Any] = {}
         self._recent: dict[str, _Recent] = {}
         self._recent_masks = _RecentMasks()
         self._sessions: OrderedDict[str, str] = OrderedDict()
@@ -685,7 +697,32 @@ class CacheAwareRouter(RequestRouter):
             host = report_keys(stats.get(STATS_HOST_BLOCKS))
             cached = (events, keys, stats.get(STATS_BLOCK_SIZE), host)
             self._reports[rid] = cached
+        load, seq = stats.get(STATS_LOAD), stats.get(STATS_REPORT)
+        if load is not None and seq != self._others_report.get(rid):
+            self._others_report[rid] = seq
+            before = self._known_load(rid)
+            self._others[rid] = max(0, int(load) - self._load[rid])
+            self._regroup(rid, before)
         return cached[1], cached[2]
+
+    def _known_load(self, rid: str) -> int:
+        """Requests on a replica as this router knows them: its own in flight, plus what the
+        other routers had there at the replica's last report (0 without load reports)."""
+        return self._load[rid] + self._others.get(rid, 0)
+
+    def _regroup(self, rid: str, before: int) -> None:
+        """The indexed path's load groups follow a replica's known load."""
+        after = self._known_load(rid)
+        slot = self._slots.get(rid)
+        if after == before or slot is None or slot not in self._indexed_replica:
+            return
+        bit = 1 << slot
+        left = self._by_load.get(before, 0) & ~bit
+        if left:
+            self._by_load[before] = left
+        else:
+            self._by_load.pop(before, None)
+        self._by_load[after] = self._by_load.get(after, 0) | bit
 
     def _host_by_node(self, candidates: list[RunningReplica]) -> dict[Any, frozenset[int]]:
         """Per node, the keys its host KV tier holds: every replica of it reports the blocks
@@ -731,7 +768,7 @@ class CacheAwareRouter(RequestRouter):
         reported, _ = self._held(replica)
         recent = self._recent.get(rid) or ()
         cached_len = self.replica_queue_len_cache.get(replica.replica_id) or 0
-        load = max(self._load[rid], cached_len)
+        load = max(self._known_load(rid), cached_len)
         keys = request.chain(request.block_size)
         held = held_prefix(keys, reported, recent)
         node_host = (host or {}).get(getattr(replica, "node_id", None))
@@ -772,7 +809,7 @@ class CacheAwareRouter(RequestRouter):
         if not same:  # the same replicas keep their slots and load groups (_count)
             by_load: dict[int, int] = {}
             for slot, replica in by_slot.items():
-                load = self._load[replica.replica_id.unique_id]
+                load = self._known_load(replica.replica_id.unique_id)
                 by_load[load] = by_load.get(load, 0) | (1 << slot)
             self._by_load = by_load
             self._indexed_mask = sum(1 << slot for slot in by_slot)
@@ -860,7 +897,7 @@ class CacheAwareRouter(RequestRouter):
             by_load = {}
             for slot, replica in self._indexed_replica.items():
                 rid = replica.replica_id.unique_id
-                load = max(self._load[rid], cache.get(replica.replica_id) or 0)
+                load = max(self._known_load(rid), cache.get(replica.replica_id) or 0)
                 by_load[load] = by_load.get(load, 0) | (1 << slot)
             least = min((load for load in by_load if load < capacity), default=0)
 
@@ -891,7 +928,7 @@ class CacheAwareRouter(RequestRouter):
         key_hash = hash64(request.key)
         top = min(self._top_choices, live.bit_count())
         chosen: list[tuple[tuple, int]] = []  # (preference, slot), best first
-        replica_at, own_load, cached = self._indexed_replica, self._load, cache.get
+        replica_at, known, cached = self._indexed_replica, self._known_load, cache.get
         for head, mask in sorted(classes.items()):
             if len(chosen) >= top and head > chosen[-1][0][:3]:
                 break
@@ -900,7 +937,7 @@ class CacheAwareRouter(RequestRouter):
                 if len(chosen) >= top and bound > chosen[-1][0]:
                     break
                 replica = replica_at[slot]
-                own = own_load[rid]
+                own = known(rid)
                 load = max(own, cached(replica.replica_id) or 0)
                 preference = bound
                 if load != own and rates is not None:
@@ -951,17 +988,9 @@ class CacheAwareRouter(RequestRouter):
 
     def _count(self, rid: str, delta: int) -> None:
         """This router's load of a replica changes (and the replica's load group)."""
-        old = self._load[rid]
-        self._load[rid] = new = max(0, old + delta)
-        slot = self._slots.get(rid)
-        if slot is not None and slot in self._indexed_replica and new != old:
-            bit = 1 << slot
-            left = self._by_load.get(old, 0) & ~bit
-            if left:
-                self._by_load[old] = left
-            else:
-                self._by_load.pop(old, None)
-            self._by_load[new] = self._by_load.get(new, 0) | bit
+        before = self._known_load(rid)
+        self._load[rid] = max(0, self._load[rid] + delta)
+        self._regroup(rid, before)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: Any, result: Any
@@ -1008,6 +1037,9 @@ class CacheAwareRouter(RequestRouter):
             self._recent.pop(rid).forget()
         for rid in [r for r in self._load if r not in live]:
             del self._load[rid]
+        for table in (self._others, self._others_report):
+            for rid in [r for r in table if r not in live]:
+                del table[rid]
         for rid in [r for r in self._slots if r not in live]:
             slot = self._slots.pop(rid)
             self._slot_ids[slot] = None

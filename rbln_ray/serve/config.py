@@ -33,9 +33,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rbln_ray.compile.settings import CompileSettings
+from rbln_ray.models.demo import DEMO_MODEL
 from rbln_ray.vllm_plugin.options import PlacementSettings
-
-DEMO_MODEL = "demo"
 
 
 class _Strict(BaseModel):
@@ -159,6 +158,12 @@ class ModelDeploymentConfig(PlacementSettings):
     # Each replica serves a few tiny requests of its own before it reports healthy, so that
     # no user request pays for first device calls (rbln_ray.serve.warmup).
     warm_up: bool = True
+    # Serve's health checks of a replica (how often; how long one may take before the replica
+    # is restarted) and how long a stopping replica may finish the requests it holds before
+    # Serve kills it (and its engine and devices with it).
+    health_check_period_s: float = Field(default=5, gt=0)
+    health_check_timeout_s: float = Field(default=30, gt=0)
+    graceful_shutdown_timeout_s: float = Field(default=30, gt=0)
 
     @model_validator(mode="after")
     def _replicas(self) -> ModelDeploymentConfig:

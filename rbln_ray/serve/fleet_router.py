@@ -46,7 +46,12 @@ from rbln_ray.serve.cache_routing import (
 )
 from rbln_ray.serve.kv_events import STATS_BLOCK_SIZE, STATS_BLOCKS, STATS_EVENTS
 from rbln_ray.serve.kv_index import extend_chain
-from rbln_ray.serve.service_times import STATS_PREFILL_S_PER_TOKEN, STATS_SERVICE_S
+from rbln_ray.serve.service_times import (
+    STATS_LOAD,
+    STATS_PREFILL_S_PER_TOKEN,
+    STATS_REPORT,
+    STATS_SERVICE_S,
+)
 
 DEPLOYMENT = DeploymentID(name="LLMServer:fleet", app_name="fleet")
 
@@ -209,6 +214,8 @@ class SimulatedRouter:
                     stats[STATS_SERVICE_S] = report.service_s
                     if report.prefill_s_per_token is not None:
                         stats[STATS_PREFILL_S_PER_TOKEN] = report.prefill_s_per_token
+                if report.load is not None:
+                    stats[STATS_LOAD], stats[STATS_REPORT] = report.load, report.seq
             listing.append(_Replica(rid, stats, self.max_ongoing))
         self.listing = listing
         wall, cpu = time.perf_counter_ns(), time.thread_time_ns()

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from rbln_ray.serve.config import DEMO_MODEL, ModelDeploymentConfig, RequestLimits
+from rbln_ray.serve.config import ModelDeploymentConfig, RequestLimits
 from rbln_ray.serve.http_call import HTTPCall, HTTPStart
 
 logger = logging.getLogger(__name__)
@@ -35,15 +35,6 @@ STOP_TIMEOUT_S = 10.0  # bound on shutting a dead engine down before that kill
 # control routes (development mode, runtime LoRA) are not served (rbln_ray.serve.routes).
 UNSET_ENV = ("VLLM_API_KEY", "VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
 RESPONSES_ROUTES = ("/v1/responses", "/v1/responses/render")
-
-
-def resolve_model_path(model: str) -> str:
-    """``"demo"`` → the trained demo model (trained on first use); anything else as given."""
-    if model == DEMO_MODEL:
-        from rbln_ray.models import demo_model_dir
-
-        return str(demo_model_dir())
-    return model
 
 
 def engine_namespace(
@@ -150,6 +141,7 @@ class LLMServer:
         from rbln_ray.common.logging_setup import apply_process_defaults, setup_logging
         from rbln_ray.compile.artifact import is_compiled_dir
         from rbln_ray.emulator import ensure_runtime
+        from rbln_ray.models.demo import resolve_model
         from rbln_ray.serve import remote_media  # registers its media connector with vLLM
         from rbln_ray.serve.audio import replica_env
         from rbln_ray.serve.replica_bind import bind_replica_grpc_to_loopback
@@ -175,7 +167,10 @@ class LLMServer:
             os.environ["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
         limits_cfg = RequestLimits.model_validate(limits or {})
         os.environ.update(replica_env(limits_cfg))  # vLLM's audio decode cap: the app's
-        args = engine_namespace(self.cfg, resolve_model_path(self.cfg.model), limits_cfg)
+        # "demo": the trained demo model, compiled as it is everywhere (models.demo)
+        model_path, compile_settings = resolve_model(self.cfg.model, self.cfg.compile)
+        self.cfg = self.cfg.model_copy(update={"compile": compile_settings})
+        args = engine_namespace(self.cfg, model_path, limits_cfg)
         # a host KV tier (kv_transfer_config: RBLNHostKVConnector) is this node's
         args.kv_transfer_config = on_node(
             args.kv_transfer_config, ray.get_runtime_context().get_node_id()

@@ -35,6 +35,8 @@ WINDOW = 64  # finished requests a report averages over
 # Keys of ``routing_stats`` (read by rbln_ray.serve.cache_routing).
 STATS_PREFILL_S_PER_TOKEN = "prefill_s_per_token"
 STATS_SERVICE_S = "service_s"
+STATS_LOAD = "load"  # requests in the engine (running and waiting) at the report
+STATS_REPORT = "report"  # the report's sequence number (which report a load is from)
 
 
 class ServiceTimes:

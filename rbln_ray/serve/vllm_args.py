@@ -20,6 +20,8 @@ import io
 import json
 from typing import Any
 
+from rbln_ray.upstream import vllm_internals
+
 # Set by rbln-ray from a model's name and directory; never from engine_kwargs.
 RESERVED = {"model": "model", "served_model_name": "name"}
 
@@ -39,7 +41,7 @@ def engine_argv(kwargs: dict[str, Any], parser: Any = None) -> list[str]:
     """The ``vllm serve`` arguments that mean ``kwargs`` (python option names, as in
     ``AsyncEngineArgs`` / vLLM's parsed namespace); ``ValueError`` naming an unknown one."""
     parser = parser or _parser()
-    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    actions = {a.dest: a for a in vllm_internals.parser_actions(parser) if a.option_strings}
     argv: list[str] = []
     for key, value in kwargs.items():
         if key in RESERVED:

@@ -6,16 +6,18 @@ call the same ``rbln_custom_ops`` attention kernels as optimum's own graphs, so 
 is token-exact with an unstaged one and runs on an ATOM unchanged); optimum has no public
 "compile these layers" entry, so :mod:`rbln_ray.compile.pipeline_compile` builds the wrapper
 optimum would build (:func:`compile_wrapper`) and :mod:`rbln_ray.compile.stage_graph` reads the
-modules named below. Qwen2-VL's graphs take M-RoPE cos/sin computed on the host by a private
-method of optimum's model (:func:`qwen2_vl_position_embeddings`). Speculative decoding's
-verify graphs are compiled inside optimum's own decoder compile (:func:`extra_graphs`), so
-they share its weights and static KV buffers.
+modules named below. The Qwen families' graphs take M-RoPE cos/sin computed on the host by a
+private method of optimum's model (:func:`qwen2_vl_position_embeddings`); which optimum
+classes those are is the family registry's fact (its records' ``mrope``), passed down as data
+(:func:`position_embedding_requirements`), since this layer is below the registry.
+Speculative decoding's verify graphs are compiled inside optimum's own decoder compile
+(:func:`extra_graphs`), so they share its weights and static KV buffers.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +29,7 @@ DECODER = "optimum.rbln.transformers.models.decoderonly"
 ARCH = f"{DECODER}.decoderonly_architecture"
 PIPELINE_PY = "rbln_ray/compile/pipeline_compile.py"
 STAGE_PY = "rbln_ray/compile/stage_graph.py"
-QWEN2_VL_PY = "rbln_ray/families/qwen2_vl.py"
+QWEN_VL_PY = "rbln_ray/families/qwen_vl_base.py"
 RUNNER_PY = "rbln_ray/vllm_plugin/model_runner.py"
 SPEC_PY = "rbln_ray/compile/spec_graphs.py"
 MODELING = f"{DECODER}.modeling_decoderonly:RBLNDecoderOnlyModelForCausalLM"
@@ -96,20 +98,6 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         f"{DECODER}.modeling_decoderonly:RBLNDecoderOnlyModelForCausalLM.decoders",
         RUNNER_PY,
         "instance attribute",
-    ),
-    *(
-        Requirement(
-            f"optimum.rbln.transformers.models.{module}:{cls}._get_position_embeddings",
-            QWEN2_VL_PY,
-            params=("hidden_states", "position_ids"),
-        )
-        for module, cls in (
-            ("qwen2_vl.modeling_qwen2_vl", "RBLNQwen2VLForConditionalGeneration"),
-            ("qwen2_5_vl.modeling_qwen2_5_vl", "RBLNQwen2_5_VLForConditionalGeneration"),
-            ("qwen3_vl.modeling_qwen3_vl", "RBLNQwen3VLForConditionalGeneration"),
-            ("qwen3_vl_moe.modeling_qwen3_vl_moe", "RBLNQwen3VLMoeForConditionalGeneration"),
-            ("qwen3_5.modeling_qwen3_5", "RBLNQwen3_5ForConditionalGeneration"),
-        )
     ),
     # extra_graphs: optimum's decoder compile, hooked for the length of one compile
     Requirement(f"{MODELING}.get_compiled_model", SPEC_PY, params=("model", "rbln_config")),
@@ -181,6 +169,20 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         params=("model", "rbln_config"),
     ),
 )
+
+
+def position_embedding_requirements(optimum_classes: Iterable[str]) -> tuple[Requirement, ...]:
+    """What :func:`qwen2_vl_position_embeddings` relies on in each of ``optimum_classes`` (the
+    optimum-rbln classes of the families whose decoders take M-RoPE cos/sin: the registry's
+    records with ``mrope``, which the contract test passes)."""
+    return tuple(
+        Requirement(
+            f"optimum.rbln:{cls}._get_position_embeddings",
+            QWEN_VL_PY,
+            params=("hidden_states", "position_ids"),
+        )
+        for cls in optimum_classes
+    )
 
 
 def compile_wrapper(cls: Any, model: Any, rbln_config: Any) -> Any:

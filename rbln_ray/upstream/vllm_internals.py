@@ -181,7 +181,7 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     ),
     Requirement(
         "vllm.utils.argparse_utils:FlexibleArgumentParser._actions",
-        f"{LORA_PY} (parser_actions)",
+        f"{LORA_PY}, rbln_ray/serve/vllm_args.py (parser_actions)",
         "instance attribute",
     ),
     Requirement(

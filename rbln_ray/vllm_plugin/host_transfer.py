@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from rbln_ray.upstream import rebel_internals
 from rbln_ray.vllm_plugin.host_tier import HostKVTier
 from rbln_ray.vllm_plugin.kv_blocks import HostLoad, HostSave
 
@@ -64,7 +65,7 @@ def kv_layout(runtime: Any, artifact: Any, hf_config: Any) -> KVLayout:
     layers = int(hf_config.num_hidden_layers)
     heads = int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
     blocks, slots = artifact.kvcache_num_blocks, artifact.kvcache_block_size
-    total = int(runtime._get_kv_cache_size(None))
+    total = rebel_internals.kv_cache_size(runtime)
     per_row, rest = divmod(total, 2 * layers * blocks * heads * slots)
     if rest or per_row <= 0:
         raise HostTierUnsupported(
@@ -93,7 +94,7 @@ class HostTransfer:
         """Copy a block's cached slots to the tier; False (logged) if it failed."""
         began = time.perf_counter()
         try:
-            self.runtime._fetch_kv_cache(self._mirror, save.block, 0, save.tokens, None)
+            rebel_internals.fetch_kv_cache(self.runtime, self._mirror, save.block, save.tokens)
             payload = b"".join(
                 view[save.block, :, :, : save.tokens, :].contiguous().numpy().tobytes()
                 for view in self._views()
@@ -122,7 +123,7 @@ class HostTransfer:
             for i, view in enumerate(self._views()):
                 part = raw[i * stored : (i + 1) * stored].view(heads, 1, -1, row)
                 view[load.block, :, :, : load.tokens, :] = part[:, :, : load.tokens, :]
-            self.runtime._update_kv_cache(self._mirror, load.block, 0, load.tokens, None)
+            rebel_internals.update_kv_cache(self.runtime, self._mirror, load.block, load.tokens)
         except Exception:  # noqa: BLE001 - a failed load is a recompute, never a wrong token
             logger.warning("host KV tier: could not load entry %d", load.entry, exc_info=True)
             return False

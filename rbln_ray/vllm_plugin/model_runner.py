@@ -57,7 +57,7 @@ from rbln_ray.common import envs
 from rbln_ray.compile.artifact import CompiledArtifact
 from rbln_ray.families.registry import VISION
 from rbln_ray.families.vision_base import PromptEmbedder
-from rbln_ray.upstream import vllm_internals
+from rbln_ray.upstream import rebel_internals, vllm_internals
 from rbln_ray.vllm_plugin.host_transfer import HostTransfer
 from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK, BlockLayout, KVCopy, KVStepPlan
 from rbln_ray.vllm_plugin.lora import LoRARows
@@ -390,7 +390,7 @@ class RBLNModelRunner:
             else:
                 runtime = self.rbln_model.prefill_decoder.runtime
                 for c in copies:
-                    runtime._copy_kv_cache(c.src, c.dst, c.tokens)
+                    rebel_internals.copy_kv_cache(runtime, c.src, c.dst, c.tokens)
         except Exception:  # noqa: BLE001 - a failed copy costs a recompute, never the engine
             logger.warning(
                 "on-device KV copy failed; prefilling the cached prefix again", exc_info=True

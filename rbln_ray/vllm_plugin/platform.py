@@ -667,7 +667,9 @@ class RBLNPlatform(CpuPlatform):
         """Before vLLM builds its configs: rbln-ray's quantization method (quantized
         artifacts keep their checkpoint's quantization_config), and on ``vllm serve``'s
         parser, --lora-modules recorded for the engine (adapters are compiled in)."""
-        quantization.register()
+        from rbln_ray.vllm_plugin import quant_config  # imports vLLM's quantization package
+
+        quant_config.register()
         if parser is not None:
             lora.record_cli_modules(parser)
 

@@ -1,7 +1,8 @@
 """The ``rbln`` vLLM quantization method (see :mod:`rbln_ray.vllm_plugin.quantization`): it
 claims the checkpoints rbln-ray compiles quantized, and builds nothing (the compiled graphs
 hold the quantized layers). A module of its own because it subclasses vLLM's
-``QuantizationConfig``, which cannot be imported while vLLM resolves its platform."""
+``QuantizationConfig``, which cannot be imported while vLLM resolves its platform (the
+platform registers it later, :func:`register`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,18 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from rbln_ray.compile.quantization import METHODS
 from rbln_ray.vllm_plugin.quantization import METHOD
+
+
+def register() -> None:
+    """Register the ``rbln`` method with vLLM (idempotent; vLLM calls the platform's
+    ``pre_register_and_update`` before it builds a ``ModelConfig``)."""
+    from vllm.model_executor.layers.quantization import (
+        QUANTIZATION_METHODS,
+        register_quantization_config,
+    )
+
+    if METHOD not in QUANTIZATION_METHODS:
+        register_quantization_config(METHOD)(RBLNQuantConfig)
 
 
 class RBLNQuantConfig(QuantizationConfig):

@@ -31,27 +31,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-METHOD = "rbln"  # the vLLM quantization method of quantized RBLN artifacts (quant_config.py)
+# the vLLM quantization method of quantized RBLN artifacts (registered by quant_config.py)
+METHOD = "rbln"
 
 
 class RBLNQuantizationError(ValueError):
     """Quantization was asked for that the RBLN path would not perform (message says why)."""
-
-
-def register() -> None:
-    """Register the ``rbln`` method with vLLM (idempotent; vLLM calls the platform's
-    ``pre_register_and_update`` before it builds a ``ModelConfig``)."""
-    # imported here: this module loads while vLLM resolves its platform, before vLLM's
-    # quantization package can be imported
-    from vllm.model_executor.layers.quantization import (
-        QUANTIZATION_METHODS,
-        register_quantization_config,
-    )
-
-    from rbln_ray.vllm_plugin.quant_config import RBLNQuantConfig
-
-    if METHOD not in QUANTIZATION_METHODS:
-        register_quantization_config(METHOD)(RBLNQuantConfig)
 
 
 def check_request(vllm_config: VllmConfig) -> None:

@@ -86,10 +86,10 @@ def demo_app() -> Iterator[RunningApp]:
     tiny Qwen2 with two LoRA adapters compiled in (``LORA_ADAPTERS``), a tiny BERT embedding
     model, two tiny vision-language models, a LLaVA and a Qwen2-VL, and the demo model with
     verify graphs decoding speculatively (``SPEC_NGRAM``); an API key."""
-    from rbln_ray.cli.serve_cmd import DEMO_COMPILE
     from rbln_ray.compile import CompileSettings, resolve_compiled_dir
     from rbln_ray.models import build_tiny_encoder, build_tiny_model, build_tiny_vlm, demo_model_dir
     from rbln_ray.models.adapters import build_tiny_adapter
+    from rbln_ray.models.demo import DEMO_COMPILE
     from tests.helpers import compiled_encoder, compiled_model
     from tests.vision import compiled_vlm
     from tests.vllm_plugin.test_spec_decode import demo_compiled

@@ -25,9 +25,9 @@ PER_GROUP = 8
 @pytest.fixture(scope="module")
 def affinity_app() -> Iterator[RunningApp]:
     os.environ["RBLN_RAY_DEVICE"] = "emulated"  # the compile below runs in this process
-    from rbln_ray.cli.serve_cmd import DEMO_COMPILE
     from rbln_ray.compile import CompileSettings, resolve_compiled_dir
     from rbln_ray.models import demo_model_dir
+    from rbln_ray.models.demo import DEMO_COMPILE
 
     hf_dir = demo_model_dir()
     compiled = resolve_compiled_dir(hf_dir, CompileSettings.from_dict(DEMO_COMPILE))

@@ -40,7 +40,7 @@ LARGE, LARGE_BUDGET = (448, 448), {"min_pixels": 56 * 56, "max_pixels": 448 * 44
 
 def any_size(family: str) -> bool:
     """The family's images are any size (its processor has a pixel budget)."""
-    return "max_pixels" in getattr(VISION[family].code(), "SPEC_DEFAULTS", {})
+    return "max_pixels" in VISION[family].code().SPEC_DEFAULTS
 
 
 def messages_with(image, question: str) -> list[dict]:

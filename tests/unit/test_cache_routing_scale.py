@@ -38,7 +38,12 @@ from rbln_ray.serve.kv_index import (
     held_prefix,
     slots_of,
 )
-from rbln_ray.serve.service_times import STATS_PREFILL_S_PER_TOKEN, STATS_SERVICE_S
+from rbln_ray.serve.service_times import (
+    STATS_LOAD,
+    STATS_PREFILL_S_PER_TOKEN,
+    STATS_REPORT,
+    STATS_SERVICE_S,
+)
 
 BS = 4
 DEPLOYMENT = DeploymentID(name="LLMServer:m", app_name="app")
@@ -176,6 +181,8 @@ def random_fleet(rng: random.Random, n: int, prompts: list[list[int]], timed: bo
         if timed:
             stats[STATS_PREFILL_S_PER_TOKEN] = rng.choice([0.001, 0.002])
             stats[STATS_SERVICE_S] = rng.choice([0.3, 2.0, 10.0])
+        if rng.random() < 0.5:  # a replica that reports its load (others do not)
+            stats[STATS_LOAD], stats[STATS_REPORT] = rng.randrange(10), 0
         replicas.append(FakeReplica(ReplicaID(f"r{i:03d}", DEPLOYMENT), stats, 8))
     return replicas
 
@@ -183,7 +190,8 @@ def random_fleet(rng: random.Random, n: int, prompts: list[list[int]], timed: bo
 @pytest.mark.parametrize("seed", range(6))
 def test_indexed_choice_is_the_full_scans_order(seed: int) -> None:
     """Random fleets (reports, this router's loads and recent sends, some expired, Serve's
-    queue-length cache above a few loads, sessions, full replicas, replicas leaving): the
+    queue-length cache above a few loads, reported loads changing, sessions, full replicas,
+    replicas leaving): the
     indexed path returns the first replicas of the full scan's order, the whole order
     when asked for all of it, with and without reported times."""
     rng = random.Random(seed)
@@ -215,6 +223,11 @@ def test_indexed_choice_is_the_full_scans_order(seed: int) -> None:
                 replicas = list(replicas)
             for r in rng.sample(replicas, 2):
                 router.replica_queue_len_cache.update(r.replica_id, rng.randrange(10))
+            if step % 7 == 3:  # new reports, with loads: Serve hands a new replica list
+                for r in rng.sample(replicas, 3):
+                    r.routing_stats = {**r.routing_stats, STATS_LOAD: rng.randrange(10),
+                                       STATS_REPORT: step}  # fmt: skip
+                replicas = list(replicas)
             prompt = rng.choice(prompts) + [rng.randrange(50) for _ in range(rng.randrange(6))]
             req = pending(prompt, rng.choice([*sessions, None]))
             groups = await router.choose_replicas(replicas, req)
@@ -274,5 +287,41 @@ def test_reports_may_carry_their_keys_as_one_int64_string() -> None:
         replicas[2].routing_stats = stats
         groups = await router.choose_replicas(replicas, pending(list(range(64)) + [9], None))
         assert groups[0][0].replica_id.unique_id == "r2"
+
+    asyncio.run(scenario())
+
+
+def test_routers_learn_each_others_load_from_the_replicas_reports() -> None:
+    """Two ingress routers: A sends six requests to the replica holding a document; B,
+    which sent none there, still sends the next request there (it knows no load) until the
+    replica's report says it carries six; then B prices the slot wait and goes elsewhere,
+    and counts its own later sends on top of what the report said."""
+
+    async def scenario() -> None:
+        doc = list(range(9000, 9000 + 100 * BS))  # 400 tokens: 0.4 s to prefill elsewhere
+        times = {STATS_PREFILL_S_PER_TOKEN: 0.001, STATS_SERVICE_S: 10.0}
+        held = {STATS_BLOCK_SIZE: BS, STATS_BLOCKS: chain_hashes(doc, BS), STATS_EVENTS: 1}
+        replicas = [FakeReplica(ReplicaID(f"r{i}", DEPLOYMENT), dict(times)) for i in range(10)]
+        replicas[0].routing_stats = {**held, **times}
+        a, b = (CacheAwareRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN) for _ in "ab")
+        for router in (a, b):
+            router.initialize_state(tokenizer=None, batch_size=4, exact_scan_max=2)
+        for _ in range(6):
+            req = pending(doc + [1], None)
+            await a.choose_replicas(replicas, req)
+            a.on_request_routed(req, replicas[0].replica_id, None)
+        assert (await b.choose_replicas(replicas, pending(doc + [2], None)))[0][0] is replicas[0]
+        reported = [FakeReplica(r.replica_id, dict(r.routing_stats)) for r in replicas]
+        reported[0].routing_stats.update({STATS_LOAD: 6, STATS_REPORT: 1})
+        choice = (await b.choose_replicas(reported, pending(doc + [3], None)))[0][0]
+        assert choice.replica_id.unique_id != "r0"
+        assert b._known_load("r0") == 6
+        req = pending(doc + [4], None)
+        await b.choose_replicas(reported, req)
+        b.on_request_routed(req, replicas[0].replica_id, None)
+        assert b._known_load("r0") == 7  # its own send on top of the report's six
+        again = [FakeReplica(r.replica_id, dict(r.routing_stats)) for r in reported]
+        await b.choose_replicas(again, pending(doc + [5], None))  # the same report again
+        assert b._known_load("r0") == 7
 
     asyncio.run(scenario())

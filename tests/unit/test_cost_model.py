@@ -140,3 +140,24 @@ def test_timing_mode_models_whisper_graphs_by_their_own_shape(tmp_path, monkeypa
         speech_shape_of(decoder)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert speech_shape_of(decoder) is None
+
+
+def test_the_registry_passes_down_which_mlps_have_no_gate() -> None:
+    """Which families' MLPs are up/down only is a registry fact (DecoderFamily.gated_mlp);
+    the cost model, below the registry, costs a config of such a model_type with two
+    matrices a layer, every other with three."""
+    from rbln_ray.families.registry import DECODERS
+    from rbln_ray.npu.cost_model import ModelShape
+
+    def shape(model_type: str) -> ModelShape:
+        return ModelShape.from_hf_config(
+            {"model_type": model_type, "num_hidden_layers": 1, "hidden_size": 8,
+             "num_attention_heads": 2, "intermediate_size": 16, "vocab_size": 10}
+        )  # fmt: skip
+
+    ungated = {f.model_type for f in DECODERS.values() if not f.gated_mlp}
+    assert ungated == {"gpt2", "opt", "phi"}
+    for f in DECODERS.values():
+        assert shape(f.model_type).gated_mlp == f.gated_mlp, f.name
+    assert shape("opt").expert_params == 2 * 8 * 16
+    assert shape("llama").expert_params == 3 * 8 * 16

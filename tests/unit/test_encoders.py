@@ -13,6 +13,7 @@ from rbln_ray.families.registry import (
     encoder_for_dir,
     family_for_architectures,
 )
+from rbln_ray.families.tiny import ROBERTA_PAIR
 from rbln_ray.models import build_tiny_encoder
 
 
@@ -67,7 +68,7 @@ def test_tiny_encoders_are_the_architecture_the_table_serves(tmp_path, family: s
         assert set(pair["token_type_ids"]) == {0, 1}
     else:
         assert "token_type_ids" not in pair
-        roberta = ENCODERS[family].tiny.framing == "roberta"
+        roberta = ENCODERS[family].tiny.framing == ROBERTA_PAIR
         assert pair["input_ids"].count(tok.eos_token_id) == (3 if roberta else 2)
 
 

@@ -4,6 +4,7 @@ rejected config values, and the sliding-window cache slots."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ from rbln_ray.families import matrix
 from rbln_ray.families.registry import (
     DECODERS,
     ENCODERS,
+    FAMILIES,
     GREEDY_TEST,
     LLM_GREEDY_TEST,
     POOLING_DECODERS,
@@ -24,6 +26,7 @@ from rbln_ray.families.registry import (
     UNSUPPORTED,
     VISION,
     UnsupportedModelError,
+    VisionFamily,
     family_for_dir,
     get_rbln_model_info,
     vision_for_dir,
@@ -238,7 +241,6 @@ def test_every_record_names_real_classes_and_consumers_read_the_registry() -> No
 
     from rbln_ray.cli.main import parser
     from rbln_ray.emulator import ensure_runtime
-    from rbln_ray.families.registry import FAMILIES
     from rbln_ray.vllm_plugin import declarations
 
     ensure_runtime()  # optimum-rbln imports rebel
@@ -260,22 +262,209 @@ def test_every_record_names_real_classes_and_consumers_read_the_registry() -> No
     assert set(declarations()) == {f.architecture for f in VISION.values() if f.declaration}
 
 
-@pytest.mark.parametrize("name", list(VISION))
-def test_each_vision_family_module_keeps_the_module_contract(name: str) -> None:
-    """What the builder, the compile, the runner and vLLM's registry take from a family's
-    module (rbln_ray.families.vision_base) is there."""
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_registered_family_keeps_its_kinds_contract(name: str) -> None:
+    """What the compile, the builders, the runner and vLLM's registry take from a family's
+    code is there, as its kind's contract (rbln_ray.families.contract) says: a kind with a
+    contract of its own has a module, named after the family, whose ``CODE`` implements it."""
+    from rbln_ray.families.contract import FamilyCode, SpeechCode, VisionCode
+    from rbln_ray.families.qwen_vl_base import MRopeEmbedder
     from rbln_ray.families.vision_base import Declaration, PromptEmbedder
     from rbln_ray.vllm_plugin import declarations
 
-    fam = VISION[name]
+    fam = FAMILIES[name]
+    if fam.contract is FamilyCode:  # decoders, encoders, pooling decoders: the record is all
+        assert not fam.module, f"{name} names a module its kind's contract does not use"
+        return
+    assert fam.module == name  # one module, named after the family
     code = fam.code()
-    assert code.__name__ == f"rbln_ray.families.{name}"  # one module, named after the family
+    assert isinstance(code, fam.contract) and code.missing() == []
+    assert fam.code() is code  # imported and checked once
+    if isinstance(code, SpeechCode):
+        assert code.decoder_length({}) > 0
+        assert code.rbln_kwargs(4)["rbln_batch_size"] == 4
+        return
+    assert isinstance(code, VisionCode) and isinstance(fam, VisionFamily)
     # PLACEHOLDER is empty only where the processor places images itself
     assert code.PLACEHOLDER or fam.images_at_start
-    assert set(code.SPECIAL_TOKENS) and callable(code.tiny_model)
-    if "video" in fam.inputs:  # what one video is in a prompt
-        assert code.VIDEO_PLACEHOLDER
+    assert set(code.SPECIAL_TOKENS)
+    for placeholder in (code.PLACEHOLDER, code.VIDEO_PLACEHOLDER):  # made of special tokens
+        for token in sorted(code.SPECIAL_TOKENS, key=len, reverse=True):
+            placeholder = placeholder.replace(token, "")
+        assert placeholder == ""
+    assert bool(code.VIDEO_PLACEHOLDER) == ("video" in fam.inputs)
     assert issubclass(code.Embedder, PromptEmbedder)
+    # the record's mrope (what the upstream contract checks of optimum) is the embedder's
+    assert fam.mrope == issubclass(code.Embedder, MRopeEmbedder)
     if fam.declaration:
         module, _, cls = declarations()[fam.architecture].partition(":")
-        assert module == code.__name__ and issubclass(getattr(code, cls), Declaration)
+        declaration = getattr(importlib.import_module(module), cls)
+        assert module == f"rbln_ray.families.{name}" and issubclass(declaration, Declaration)
+        assert set(declaration.PLACEHOLDERS) == set(fam.inputs)
+        for modality in fam.inputs:
+            expected = code.VIDEO_PLACEHOLDER if modality == "video" else code.PLACEHOLDER
+            assert declaration.get_placeholder_str(modality, 1) == (expected or None)
+
+
+def test_a_family_module_that_breaks_the_contract_is_named() -> None:
+    """Family.code refuses a module whose CODE is not its kind's contract, or leaves a
+    required member unset, naming what is wrong (before any caller would trip on it)."""
+    import sys
+    import types
+
+    from rbln_ray.families.contract import VisionCode
+
+    class Incomplete(VisionCode):
+        PLACEHOLDER = "<image>"
+
+        def tiny_model(self, spec, tokenizer):
+            raise NotImplementedError
+
+    for module, code, message in (
+        ("_contract_probe_a", object(), "not a VisionCode"),
+        ("_contract_probe_b", Incomplete(), "sets no SPECIAL_TOKENS, Embedder"),
+    ):
+        fake = types.ModuleType(f"rbln_ray.families.{module}")
+        fake.CODE = code
+        sys.modules[fake.__name__] = fake
+        try:
+            record = VisionFamily(module, "X", "RBLNX", module=module)
+            with pytest.raises(TypeError, match=message):
+                record.code()
+        finally:
+            del sys.modules[f"rbln_ray.families.{module}"]
+
+
+def test_loading_a_compiled_directory_asks_the_registry_at_most_twice(tmp_path: Path) -> None:
+    """One dispatch per artifact: from the platform's ``compiled_artifact`` (an engine
+    given a compiled directory) the registry is entered twice, once to refuse an unsupported
+    architecture before anything else and once to pick the reader, which asks no more
+    (counted as calls into registry.py's code from outside it)."""
+    import sys
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    import rbln_ray.families.registry as registry
+    from rbln_ray.compile.artifact import CompiledArtifact
+
+    assert current_platform.device_name  # vLLM resolves its platform before rbln-ray's loads
+    from rbln_ray.vllm_plugin import platform
+
+    art = tmp_path / "llama-compiled"
+    art.mkdir()
+    (art / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    rbln = {
+        "cls_name": "RBLNLlamaForCausalLMConfig",
+        "batch_size": 4,
+        "max_seq_len": 1024,
+        "kvcache_block_size": 1024,
+        "kvcache_num_blocks": 5,
+        "decoder_batch_sizes": [4, 2, 1],
+    }
+    (art / "rbln_config.json").write_text(json.dumps(rbln))
+    vllm_config = SimpleNamespace(
+        additional_config={},
+        speculative_config=None,
+        lora_config=None,
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        model_config=SimpleNamespace(
+            model=str(art), original_max_model_len=None, runner_type="generate", hf_config=None
+        ),
+    )
+    entries = []
+
+    def profile(frame, event, arg) -> None:
+        caller = frame.f_back
+        if (
+            event == "call"
+            and frame.f_code.co_filename == registry.__file__
+            and caller is not None
+            and caller.f_code.co_filename != registry.__file__
+        ):
+            entries.append(f"{caller.f_code.co_name} -> {frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        loaded = platform.compiled_artifact(vllm_config)
+    finally:
+        sys.setprofile(None)
+    assert isinstance(loaded, CompiledArtifact) and loaded.batch_size == 4
+    assert entries == ["resolve_compiled_dir -> family_for_dir", "load_artifact -> artifact_family"]
+
+
+def test_no_code_outside_the_families_package_names_a_family_or_probes_its_code() -> None:
+    """Family facts live in rbln_ray/families: elsewhere no comparison with a family's name
+    or model_type, and no ``hasattr``/``getattr`` on a family's code (its contract says what
+    it has)."""
+    import ast
+
+    names = set(FAMILIES) | {f.model_type for f in DECODERS.values()}
+
+    def strings(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return {e.value for e in node.elts if isinstance(e, ast.Constant)}
+        return set()
+
+    offenders = []
+    for path in sorted((ROOT / "rbln_ray").rglob("*.py")):
+        if "families" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Compare):
+                for side in (node.left, *node.comparators):
+                    if strings(side) & names:
+                        offenders.append(f"{where}: compares with {sorted(strings(side) & names)}")
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("hasattr", "getattr")
+                and node.args
+                and "code" in ast.unparse(node.args[0])
+            ):
+                offenders.append(f"{where}: {ast.unparse(node)}")
+    assert not offenders, offenders
+
+
+def test_a_compiled_directory_is_read_as_its_records_artifact(tmp_path: Path) -> None:
+    """load_artifact asks the registry once and reads the directory as the record says: an
+    encoder's as an encoder, a Qwen3 checkpoint compiled as its embedder (RBLNQwen3Model) as
+    that pooling family's decoder artifact, the same checkpoint compiled as the causal LM as
+    Qwen3's (also what the reranker serves), a vision-language model's by its language
+    model, with its language family's prefill."""
+    from rbln_ray.compile.artifact import CompiledArtifact, load_artifact
+    from rbln_ray.compile.encoders import EncoderArtifact
+    from rbln_ray.families.registry import artifact_family
+
+    decoder = {
+        "batch_size": 2,
+        "max_seq_len": 256,
+        "kvcache_block_size": 256,
+        "kvcache_num_blocks": 3,
+        "decoder_batch_sizes": [2],
+    }
+
+    def write(name: str, arch: str, rbln: dict) -> Path:
+        out = tmp_path / name
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps({"architectures": [arch]}))
+        (out / "rbln_config.json").write_text(json.dumps(rbln))
+        return out
+
+    bert = write("bert", "BertModel", {"cls_name": "RBLNBertModelConfig", "batch_size": 2,
+                                       "max_seq_len": 64})  # fmt: skip
+    assert isinstance(load_artifact(bert), EncoderArtifact)
+    embed = write("embed", "Qwen3ForCausalLM", {"cls_name": "RBLNQwen3ModelConfig", **decoder})
+    art = load_artifact(embed)
+    assert isinstance(art, CompiledArtifact) and art.pooling == "qwen3-embedding"
+    causal = write("lm", "Qwen3ForCausalLM", {"cls_name": "RBLNQwen3ForCausalLMConfig", **decoder})
+    assert artifact_family(causal, "RBLNQwen3ForCausalLMConfig") is DECODERS["qwen3"]
+    assert load_artifact(causal).pooling == ""
+    gemma = {"cls_name": "RBLNGemma3ForConditionalGenerationConfig", "language_model": decoder}
+    art = load_artifact(write("gemma3_vl", "Gemma3ForConditionalGeneration", gemma))
+    assert art.vision_family == "gemma3_vl" and not art.prefill_resumable  # Gemma3's prefill
+    with pytest.raises(UnsupportedModelError, match="MidmLMHeadModel"):
+        load_artifact(write("midm", "MidmLMHeadModel", {"cls_name": "X", **decoder}))

@@ -10,7 +10,6 @@ import types
 
 import pytest
 
-from rbln_ray.vllm_plugin.host_kv_connector import RBLNHostKVConnector
 from rbln_ray.vllm_plugin.host_tier import HostKVTier
 from rbln_ray.vllm_plugin.kv_blocks import BlockLayout, HostLoad, HostSave, OuterBlockManager
 
@@ -141,6 +140,10 @@ def test_the_device_copy_wins_when_it_holds_as_much(tmp_path) -> None:
 def test_the_connector_counts_what_the_plan_can_place(tmp_path) -> None:
     """Segment by segment from the device's hit, each from an entry starting there, and
     never the prompt's last token (vLLM computes at least one)."""
+    # imported here: importing vLLM at collection would fix its platform before the unit
+    # tier's conftest chooses the emulated RBLN one
+    from rbln_ray.vllm_plugin.host_kv_connector import RBLNHostKVConnector
+
     t = tier(tmp_path, capacity=10**7)
     h = hashes("p", 5)  # FLASH: segments of 2 vLLM blocks
     t.put(0, h[:2], 256, b"kv")

@@ -1,4 +1,4 @@
-"""Qwen2-VL's M-RoPE positions (``rbln_ray.families.qwen2_vl.rope_index``) against
+"""Qwen2-VL's M-RoPE positions (``rbln_ray.families.qwen_vl_rope.rope_index``) against
 transformers' own ``Qwen2VLModel.get_rope_index`` called as ``generate`` calls it (what
 optimum-rbln's ``_preprocess_prefill`` uses too): on the prompt's token ids with the
 processor's ``mm_token_type_ids``. rbln-ray calls the same function from vLLM's view of a
@@ -21,10 +21,10 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 # the session.
 
 
-def _qwen2_vl():
-    from rbln_ray.families import qwen2_vl
+def _rope():
+    from rbln_ray.families import qwen_vl_rope
 
-    return qwen2_vl
+    return qwen_vl_rope
 
 
 IMAGE, VIDEO, START = 9, 8, 7  # token ids of <|image_pad|>, <|video_pad|>, <|vision_start|>
@@ -70,7 +70,7 @@ CONFIG = Qwen2VLConfig(vision_config={"spatial_merge_size": MERGE})
 
 def rbln_positions(tokens: list[int], grids: list, features=None) -> tuple[torch.Tensor, int]:
     features = features or [_feature(o, h, w, keep_pixels=True) for o, _, h, w in grids]
-    return _qwen2_vl().rope_index(Qwen2VLModel, CONFIG, tokens, features)
+    return _rope().rope_index(Qwen2VLModel, CONFIG, tokens, features)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -81,7 +81,7 @@ def test_positions_and_delta_are_transformers(layout: list) -> None:
     # a generated token at KV position p has position p + delta in all three dimensions,
     # which is where transformers' decode puts it (cache_position + rope_deltas)
     assert (
-        _qwen2_vl().positions_span(got, delta, len(tokens), len(tokens) + 2).tolist()
+        _rope().positions_span(got, delta, len(tokens), len(tokens) + 2).tolist()
         == [[len(tokens) + delta, len(tokens) + 1 + delta]] * 3
     )
 
@@ -125,9 +125,9 @@ def test_the_vllm_declaration_gives_the_same_positions_from_features() -> None:
 def test_a_chunk_takes_its_slice_and_generated_tokens_continue_after_delta() -> None:
     tokens, grids, want, delta = reference([100, (16, 16), 40])
     positions, _ = rbln_positions(tokens, grids)
-    assert torch.equal(_qwen2_vl().positions_span(positions, delta, 128, 160), want[:, 128:160])
+    assert torch.equal(_rope().positions_span(positions, delta, 128, 160), want[:, 128:160])
     # a preempted request prefills prompt + generated tokens again: past the prompt, p + delta
-    span = _qwen2_vl().positions_span(positions, delta, 128, len(tokens) + 3)
+    span = _rope().positions_span(positions, delta, 128, len(tokens) + 3)
     assert torch.equal(span[:, : len(tokens) - 128], want[:, 128:])
     assert (
         span[:, len(tokens) - 128 :].tolist() == [[len(tokens) + i + delta for i in range(3)]] * 3

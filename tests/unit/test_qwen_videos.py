@@ -1,5 +1,5 @@
 """Videos of the Qwen families without torchvision: rbln-ray's numpy port of transformers'
-Qwen video processors (``rbln_ray.families.qwen2_vl.NumpyVideoProcessor``) against the
+Qwen video processors (``rbln_ray.families.qwen_vl_processor.NumpyVideoProcessor``) against the
 image processor it builds on, and a video's M-RoPE positions (``rope_index`` from vLLM's view
 of a request) against transformers' ``get_rope_index`` called as ``generate`` calls it.
 
@@ -24,9 +24,12 @@ MERGE = 2
 
 def _families():
     # imported inside the tests (see tests/unit/test_mrope.py: vLLM's platform)
-    from rbln_ray.families import qwen2_vl
+    from rbln_ray.families import qwen_vl_processor, qwen_vl_rope
 
-    return qwen2_vl
+    return types.SimpleNamespace(
+        NumpyVideoProcessor=qwen_vl_processor.NumpyVideoProcessor,
+        rope_index=qwen_vl_rope.rope_index,
+    )
 
 
 def _image_processor(patch: int = 14) -> Qwen2VLImageProcessorPil:

@@ -11,13 +11,14 @@ from io import BytesIO
 
 import pytest
 
-from rbln_ray.serve.remote_media import (
-    CONNECTOR,
-    PublicOnlyConnection,
-    RefusedAddress,
-    address_allowed,
-    replica_env,
-)
+
+@pytest.fixture(scope="module")
+def rm():
+    """rbln_ray.serve.remote_media, imported when the tests run (importing vLLM at collection
+    would fix its platform before the unit tier's conftest chooses the emulated RBLN one)."""
+    from rbln_ray.serve import remote_media
+
+    return remote_media
 
 
 @pytest.mark.parametrize(
@@ -31,8 +32,8 @@ from rbln_ray.serve.remote_media import (
         ("ff02::1", False),
     ],
 )  # fmt: skip
-def test_only_public_unicast_addresses_are_allowed(address: str, allowed: bool) -> None:
-    assert address_allowed(address) is allowed
+def test_only_public_unicast_addresses_are_allowed(rm, address: str, allowed: bool) -> None:
+    assert rm.address_allowed(address) is allowed
 
 
 class Local:
@@ -81,14 +82,14 @@ def local():
     server.close()
 
 
-def fetch(url: str, connection: PublicOnlyConnection | None = None):
+def fetch(rm, url: str, connection=None):
     """vLLM's own path for an image URL in a chat message: the registered connector
     (VLLM_MEDIA_CONNECTOR in a replica), ``load_from_url_async`` with vLLM's ImageMediaIO."""
     from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY
     from vllm.multimodal.media.image import ImageMediaIO
 
     kwargs = {"connection": connection} if connection else {}
-    connector = MEDIA_CONNECTOR_REGISTRY.load(CONNECTOR, **kwargs)
+    connector = MEDIA_CONNECTOR_REGISTRY.load(rm.CONNECTOR, **kwargs)
 
     async def go():
         try:
@@ -101,33 +102,33 @@ def fetch(url: str, connection: PublicOnlyConnection | None = None):
     return asyncio.run(go())
 
 
-def test_private_hosts_are_refused_before_any_connection(local) -> None:
+def test_private_hosts_are_refused_before_any_connection(rm, local) -> None:
     """127.0.0.1 as given, as a name that resolves to it, and as an IPv6 loopback: refused,
     naming the address; as a decimal number (aiohttp itself refuses that form): refused
     too. The server never sees a request."""
     for host in ("127.0.0.1", "localhost", "[::1]"):
-        with pytest.raises(RefusedAddress, match="not a public address"):
-            fetch(f"http://{host}:{local.port}/img.png")
+        with pytest.raises(rm.RefusedAddress, match="not a public address"):
+            fetch(rm, f"http://{host}:{local.port}/img.png")
     with pytest.raises(Exception, match="Invalid URL"):  # noqa: PT011 - vLLM's 422
-        fetch(f"http://2130706433:{local.port}/img.png")
+        fetch(rm, f"http://2130706433:{local.port}/img.png")
     assert local.hits == []
 
 
-def test_a_redirect_is_never_followed(local, monkeypatch) -> None:
+def test_a_redirect_is_never_followed(rm, local, monkeypatch) -> None:
     """With loopback allowed (the only way to have a server here), a fetch reaches it, and a
     redirect stays unfollowed even when vLLM's environment asks for redirects."""
     monkeypatch.setenv("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "1")
-    loopback = PublicOnlyConnection(allowed=lambda address: address == "127.0.0.1")
-    image = fetch(f"http://127.0.0.1:{local.port}/img.png", loopback)
+    loopback = rm.PublicOnlyConnection(allowed=lambda address: address == "127.0.0.1")
+    image = fetch(rm, f"http://127.0.0.1:{local.port}/img.png", loopback)
     assert image.size == (4, 4) and local.hits == ["/img.png"]
     with pytest.raises(Exception):  # noqa: B017, PT011 - the 302's empty body is no image
-        fetch(f"http://127.0.0.1:{local.port}/jump", PublicOnlyConnection(
+        fetch(rm, f"http://127.0.0.1:{local.port}/jump", rm.PublicOnlyConnection(
             allowed=lambda address: address == "127.0.0.1"))  # fmt: skip
     assert local.hits == ["/img.png", "/jump"]  # the Location was never fetched
 
 
-def test_a_replica_selects_the_connector_and_turns_redirects_off() -> None:
-    assert replica_env() == {"VLLM_MEDIA_CONNECTOR": CONNECTOR,
-                             "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0"}  # fmt: skip
-    with pytest.raises(RefusedAddress, match="synchronous"):
-        PublicOnlyConnection().get_bytes("http://8.8.8.8/x.png")
+def test_a_replica_selects_the_connector_and_turns_redirects_off(rm) -> None:
+    assert rm.replica_env() == {"VLLM_MEDIA_CONNECTOR": rm.CONNECTOR,
+                                "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0"}  # fmt: skip
+    with pytest.raises(rm.RefusedAddress, match="synchronous"):
+        rm.PublicOnlyConnection().get_bytes("http://8.8.8.8/x.png")

@@ -175,3 +175,51 @@ def test_replicas_fill_the_compiled_batch(tmp_path) -> None:
     assert engine_rows(engine_config(cfg)) == 256
     own = cfg.model_copy(update={"engine_kwargs": {"max_num_seqs": 64}})
     assert engine_rows(engine_config(own)) == 64
+
+
+def test_replica_health_and_shutdown_timeouts_are_the_models_config(tmp_path) -> None:
+    """A model's replicas get the health-check period and timeout and the graceful shutdown
+    its config sets (defaults 5 s, 30 s, 30 s), as Serve options; a zero is refused."""
+    from rbln_ray.serve.builder import build_server
+
+    def deployment_config(**fields):
+        cfg = load_config({"models": [{"name": "m", "model": str(tmp_path), **fields}]})
+        return build_server(cfg.models[0])._bound_deployment._deployment_config
+
+    default = deployment_config()
+    assert (
+        default.health_check_period_s,
+        default.health_check_timeout_s,
+        default.graceful_shutdown_timeout_s,
+    ) == (5, 30, 30)
+    custom = deployment_config(
+        health_check_period_s=2, health_check_timeout_s=120, graceful_shutdown_timeout_s=300
+    )
+    assert (
+        custom.health_check_period_s,
+        custom.health_check_timeout_s,
+        custom.graceful_shutdown_timeout_s,
+    ) == (2, 120, 300)
+    zero = {"name": "m", "model": str(tmp_path), "health_check_timeout_s": 0}
+    with pytest.raises(ValidationError):
+        load_config({"models": [zero]})
+
+
+def test_the_demo_model_resolves_in_one_place_with_one_recipe(monkeypatch, tmp_path) -> None:
+    """``"demo"`` is the trained demo model compiled with its recipe under what the config
+    sets; every other model is its own directory and settings. The Serve builder sizes a
+    replica that compiles the demo at start by the same recipe."""
+    from rbln_ray.compile.settings import CompileSettings
+    from rbln_ray.models import demo
+    from rbln_ray.serve.builder import compiled_batch_size, compiled_max_seq_len
+
+    monkeypatch.setattr(demo, "demo_model_dir", lambda: tmp_path / "trained")
+    path, settings = demo.resolve_model("demo", CompileSettings(max_seq_len=512))
+    assert path == str(tmp_path / "trained")
+    assert settings == CompileSettings(**{**demo.DEMO_COMPILE, "max_seq_len": 512})
+    assert demo.resolve_model("demo")[1] == CompileSettings(**demo.DEMO_COMPILE)
+    own = CompileSettings(batch_size=8)
+    assert demo.resolve_model(str(tmp_path), own) == (str(tmp_path), own)
+    cfg = load_config({"models": [{"name": "d", "model": "demo", "compile": {"batch_size": 2}}]})
+    assert compiled_batch_size(cfg.models[0]) == 2
+    assert compiled_max_seq_len(cfg.models[0]) == demo.DEMO_COMPILE["max_seq_len"]

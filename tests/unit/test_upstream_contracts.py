@@ -16,11 +16,12 @@ from rbln_ray.upstream import (
     contract,
     optimum_internals,
     ray_internals,
+    rebel_internals,
     torch_internals,
     vllm_internals,
 )
 
-ADAPTERS = (vllm_internals, ray_internals, optimum_internals, torch_internals)
+ADAPTERS = (vllm_internals, ray_internals, optimum_internals, torch_internals, rebel_internals)
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,6 +31,24 @@ def test_every_internal_an_adapter_uses_still_exists(adapter) -> None:
 
     broken = contract.check(adapter.UPSTREAM, adapter.REQUIREMENTS)
     assert not broken, "\n".join(broken)
+
+
+def test_the_m_rope_families_optimum_classes_keep_the_position_embeddings() -> None:
+    """The registry passes the optimum classes of its M-RoPE families down (this layer cannot
+    ask it); each still computes its cos/sin as the embedder calls it, and a class that
+    does not is reported."""
+    from rbln_ray.families.registry import VISION
+
+    ensure_runtime()
+    classes = [f.optimum_class for f in VISION.values() if f.mrope]
+    assert len(classes) == 5  # Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5
+    required = optimum_internals.position_embedding_requirements(classes)
+    assert not contract.check(optimum_internals.UPSTREAM, required)
+    (broken,) = contract.check(
+        optimum_internals.UPSTREAM,
+        optimum_internals.position_embedding_requirements(["RBLNLlavaForConditionalGeneration"]),
+    )
+    assert "RBLNLlavaForConditionalGeneration._get_position_embeddings" in broken
 
 
 def test_a_renamed_internal_fails_naming_upstream_versions_and_user() -> None:
@@ -67,6 +86,8 @@ def test_private_upstream_modules_are_imported_only_by_the_adapters() -> None:
         "token_ids_cpu",
         "num_tokens_no_spec",
         "add_port_to_grpc_server",
+        "_copy_kv_cache",
+        "_actions",
     }
     offenders = []
     for path in sorted((ROOT / "rbln_ray").rglob("*.py")):

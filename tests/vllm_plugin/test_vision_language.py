@@ -55,7 +55,7 @@ def chat(body: str) -> str:
 
 def any_size(family: str) -> bool:
     """The family's images are any size (its processor has a pixel budget: the Qwen ones)."""
-    return "max_pixels" in getattr(VISION[family].code(), "SPEC_DEFAULTS", {})
+    return "max_pixels" in VISION[family].code().SPEC_DEFAULTS
 
 
 def requests_of(family: str) -> list:
@@ -90,7 +90,7 @@ def requests_of(family: str) -> list:
             # eight frames, past a long text
             (chat("v = 5\n" * 28 + "<video>and this?"), [], [video_spec(3, 8, 96, 96)]),
         ]
-    vid = getattr(record.code(), "VIDEO_PLACEHOLDER", "")
+    vid = record.code().VIDEO_PLACEHOLDER
     return [
         (as_prompt(family, prompt.replace("<image>", img).replace("<video>", vid)), images, videos)
         for prompt, images, videos in requests

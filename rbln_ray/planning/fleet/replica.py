@@ -20,9 +20,10 @@ What it models, from the code it mirrors:
   ``Row(chunk, start)``; decode one row per request at its position, padding rows at the
   scratch block's position; KV copies), plus ``host_s_per_step`` of host work per step;
 * **what it reports** to routers every ``report_period_s`` (± 10 %, as Serve jitters it):
-  the keys of the blocks its prefix cache holds (the router's key function, injected) and
-  its service times as :mod:`rbln_ray.serve.service_times` computes them (the last 64
-  finished requests' prefill seconds per prefilled token and mean slot time).
+  the keys of the blocks its prefix cache holds (the router's key function, injected), its
+  service times as :mod:`rbln_ray.serve.service_times` computes them (the last 64 finished
+  requests' prefill seconds per prefilled token and mean slot time) and its load (requests
+  running and waiting: the engine's scheduler stats), unless ``report_load`` is off.
 
 What it leaves out: preemption (the 16 blocks always cover the 4 running sequences and the
 scheduler never runs short), speculative decoding, a host KV tier, the engine's own queue
@@ -68,6 +69,7 @@ class ReplicaConfig:
     # Host work per step with the worker in a Ray actor (BENCHMARKS 3: 0.43-0.54 ms p50).
     host_s_per_step: float = 0.0005
     report_period_s: float = 1.0
+    report_load: bool = True
     stats_window: int = 64  # rbln_ray.serve.service_times.WINDOW
 
 
@@ -161,6 +163,8 @@ class Report:
     version: int
     prefill_s_per_token: float | None
     service_s: float | None
+    load: int | None = None  # requests in the engine (running and waiting)
+    seq: int = 0  # which report (a load is read once per report)
 
 
 class Replica:
@@ -201,6 +205,7 @@ class Replica:
         self.stored = False  # a block was ever cached (the report's block size is known)
         self.finished_times: deque[tuple[int, float, float]] = deque(maxlen=cfg.stats_window)
         self._outputs = 0
+        self._reports = 0
         # counters
         self.queries = self.hits = 0  # prompt tokens looked up / found (vLLM's counters)
         self.busy_s = 0.0
@@ -234,9 +239,10 @@ class Replica:
             tokens = sum(t[0] for t in times)
             if tokens:
                 prefill = sum(t[1] for t in times) / tokens
+        self._reports += 1
         return Report(
             self.block if self.stored else None, sorted(self.cached), self.version, prefill,
-            service,
+            service, self.ongoing if self.cfg.report_load else None, self._reports,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the cache

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rbln_ray.upstream import vllm_internals
+from rbln_ray.upstream import rebel_internals, vllm_internals
 from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK
 
 
@@ -114,7 +114,7 @@ class DraftModelDrafter:
     def copy(self, copies: list[Any]) -> None:
         runtime = self.model.prefill_decoder.runtime
         for c in copies:
-            runtime._copy_kv_cache(c.src, c.dst, c.tokens)
+            rebel_internals.copy_kv_cache(runtime, c.src, c.dst, c.tokens)
 
     def forget(self, req_ids) -> None:
         for r in req_ids:
