@@ -48,6 +48,7 @@ from rbln_ray.planning.fleet import (
     EventQueue,
     Fleet,
     FleetConfig,
+    ReplicaConfig,
     SessionSpec,
     build_sessions,
     summarise,
@@ -76,6 +77,7 @@ def simulate(
     routers: int = 1,
     exact_scan_max: int | None = None,
     corpus: Corpus | None = None,
+    report_load: bool = True,
 ) -> dict[str, Any]:
     """One run; returns the run, its routers and the router state at the window's end."""
     spec = SessionSpec(rate=rate, duration_s=duration, seed=seed, tenants=tenants, num_docs=docs)
@@ -84,7 +86,7 @@ def simulate(
     extra = {} if exact_scan_max is None else {"exact_scan_max": exact_scan_max}
     sims = [SimulatedRouter(replicas, lambda: queue.now, **extra) for _ in range(routers)]
     fleet = Fleet(
-        FleetConfig(replicas=replicas, stop_s=duration, seed=seed),
+        FleetConfig(replicas, ReplicaConfig(report_load=report_load), stop_s=duration, seed=seed),
         workload,
         corpus or Corpus(),
         sims,
@@ -252,9 +254,18 @@ def validation(args: argparse.Namespace, corpus: Corpus) -> dict[str, Any]:
     return {"measured_commit": measured["settings"]["commit"], "rows": rows}
 
 
-def scale_row(n: int, args: argparse.Namespace, corpus: Corpus, **kw: Any) -> dict[str, Any]:
+def scale_row(
+    n: int,
+    args: argparse.Namespace,
+    corpus: Corpus,
+    control: str | None = None,
+    routers: int | None = None,
+    **kw: Any,
+) -> dict[str, Any]:
+    """One row: ``n`` replicas behind ``routers`` ingress routers (default: ``--routers``),
+    ``kw`` passed to :func:`simulate` (a control's changes)."""
     seeds = max(1, args.seed_replicas // n)
-    routers = kw.pop("routers", max(1, -(-n // args.replicas_per_router)))
+    routers = routers or args.router_counts.get(n, 1)
     runs = [
         simulate(n, GOAL_RATE * n / 4, args.duration, 200 + s, 8 * n, 8 * n, routers,
                  corpus=corpus, **kw)
@@ -282,11 +293,13 @@ def scale_row(n: int, args: argparse.Namespace, corpus: Corpus, **kw: Any) -> di
         "rate_req_per_s": GOAL_RATE * n / 4,
         "tenants": 8 * n,
         "documents": 8 * n,
+        "control": control,
         **kw,
         "detail": res,
     }
     print(
-        f"{n:5d} replicas: goodput/device {row['goodput_per_device']:.3f}, hit rate "
+        f"{n:5d} replicas{f' ({control})' if control else ''}: goodput/device "
+        f"{row['goodput_per_device']:.3f}, hit rate "
         f"{row['hit_rate']:.2f}, TTFT p50/p99 {row['ttft_ms_p50']:.0f}/"
         f"{row['ttft_ms_p99']:.0f} ms, "
         f"decision p50/p99 {row['router_decision_us_p50']:.0f}/"
@@ -409,12 +422,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=60.0, help="first seconds not measured")
     p.add_argument("--seed-replicas", type=int, default=64,
                    help="small fleets run this many replicas' worth of seeds")  # fmt: skip
-    p.add_argument("--replicas-per-router", type=int, default=256,
-                   help="one simulated ingress router per this many replicas")  # fmt: skip
+    p.add_argument(
+        "--routers", default="256:2,1024:6",
+        help="ingress routers simulated per replica count (n:k; others 1)",
+    )  # fmt: skip
     p.add_argument(
         "--controls",
-        default="exact64,routers256",
-        help="comma list: exact64 (full scan at 64), routers256 (8 routers at 256)",
+        default="exact64,routers256,noload256,routers32",
+        help="comma list: exact64 (full scan at 64), routers256 (8 routers at 256), "
+        "noload256 (the same without load reports), routers32 (32 routers at 256)",
     )
     p.add_argument("--ttft-slo-s", type=float, default=2.0)
     p.add_argument("--tpot-slo-ms", type=float, default=150.0)
@@ -422,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(counts="4,16", duration=60.0, warmup=20.0, seed_replicas=16,
                        controls="")  # fmt: skip
     args = p.parse_args(argv)
+    pairs = (x.split(":") for x in args.routers.split(",") if x)
+    args.router_counts = {int(a): int(b) for a, b in pairs}
     args.validation_rates = RATES if not args.quick else (GOAL_RATE,)
     commit = _commit()
     t0 = time.time()
@@ -431,9 +449,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = [scale_row(int(n), args, corpus) for n in args.counts.split(",") if n]
     controls = [c for c in args.controls.split(",") if c]
     if "exact64" in controls:
-        rows.append(scale_row(64, args, corpus, exact_scan_max=10**6, control="full scan"))
+        rows.append(scale_row(64, args, corpus, "full scan", exact_scan_max=10**6))
     if "routers256" in controls:
-        rows.append(scale_row(256, args, corpus, routers=8, control="8 ingress routers"))
+        rows.append(scale_row(256, args, corpus, "8 ingress routers", 8))
+    if "noload256" in controls:
+        rows.append(scale_row(256, args, corpus, "8 ingress routers, no load reports", 8,
+                              report_load=False))  # fmt: skip
+    if "routers32" in controls:
+        rows.append(scale_row(256, args, corpus, "32 ingress routers", 32))
     g = goals([r for r in rows if r.get("control") is None], valid)
     path = common.save(
         "fleet_sim",

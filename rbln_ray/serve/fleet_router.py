@@ -35,7 +35,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 from ray.serve.request_router import ReplicaID
 
 from rbln_ray.serve.cache_routing import (
@@ -52,8 +51,9 @@ from rbln_ray.serve.service_times import (
     STATS_REPORT,
     STATS_SERVICE_S,
 )
+from rbln_ray.upstream.ray_internals import router_identity
 
-DEPLOYMENT = DeploymentID(name="LLMServer:fleet", app_name="fleet")
+DEPLOYMENT, HANDLE_SOURCE = router_identity("LLMServer:fleet", "fleet")
 
 
 class _InlineTokenizer(PromptTokenizer):
@@ -125,7 +125,7 @@ class SimulatedRouter:
     ) -> None:
         router = CacheAwareRouter(
             DEPLOYMENT,
-            DeploymentHandleSource.UNKNOWN,
+            HANDLE_SOURCE,
             use_replica_queue_len_cache=True,
             get_curr_time_s=clock,
         )

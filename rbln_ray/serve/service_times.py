@@ -12,7 +12,10 @@ keeps the last :data:`WINDOW` requests':
   the prompt tokens it prefilled (not served from the prefix cache), a ratio of sums so a
   cache hit's few tokens do not dominate;
 * **service seconds**: the mean time a request holds a decode slot (scheduled to last
-  token). With ``B`` slots busy, one frees every ``service / B`` seconds on average.
+  token). With ``B`` slots busy, one frees every ``service / B`` seconds on average;
+* **load**: the requests in the engine after its last step (vLLM's scheduler stats), with
+  the report's sequence number: a router counts only its own sends, and with several ingress
+  replicas this is how each learns the others' (BENCHMARKS, "Fleet simulation").
 
 The replica's warm-up requests (a few tokens each) are dropped (:meth:`ServiceTimes.reset`),
 so a report describes user traffic only; until the first user request ends it has no times,
@@ -29,7 +32,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from rbln_ray.upstream.vllm_internals import finished_request_times
+from rbln_ray.upstream.vllm_internals import engine_load, finished_request_times
 
 WINDOW = 64  # finished requests a report averages over
 # Keys of ``routing_stats`` (read by rbln_ray.serve.cache_routing).
@@ -45,6 +48,8 @@ class ServiceTimes:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # recorded on the engine's loop, read by Serve
         self._times: deque[tuple[int, float, float]] = deque(maxlen=WINDOW)
+        self._load: int | None = None  # requests in the engine after its last step
+        self._reports = 0
 
     def stat_logger(self) -> type:
         """A vLLM stat logger class (what an engine's ``stat_loggers`` list takes: vLLM calls
@@ -65,6 +70,7 @@ class ServiceTimes:
                 engine_idx: int = 0,
             ) -> None:
                 window.add(finished_request_times(iteration_stats))
+                window.set_load(engine_load(scheduler_stats, iteration_stats))
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -77,17 +83,29 @@ class ServiceTimes:
         with self._lock:
             self._times.extend(t for t in times if t[2] > 0)
 
+    def set_load(self, load: int | None) -> None:
+        if load is not None:
+            with self._lock:
+                self._load = load
+
     def reset(self) -> None:
         with self._lock:
             self._times.clear()
 
     def report(self) -> dict[str, float]:
-        """The replica's times as ``routing_stats`` entries (none before a request ended)."""
+        """The replica's times as ``routing_stats`` entries (none before a request ended),
+        and its load (requests in its engine after its last step) with the report's number:
+        every ingress replica's router learns from it what the others sent there."""
         with self._lock:
-            times = list(self._times)
+            times, load = list(self._times), self._load
+            self._reports += 1
+            seq = self._reports
+        out: dict[str, float] = {}
+        if load is not None:
+            out[STATS_LOAD], out[STATS_REPORT] = load, seq
         if not times:
-            return {}
-        out = {STATS_SERVICE_S: sum(t[2] for t in times) / len(times)}
+            return out
+        out[STATS_SERVICE_S] = sum(t[2] for t in times) / len(times)
         tokens = sum(t[0] for t in times)
         if tokens:
             out[STATS_PREFILL_S_PER_TOKEN] = sum(t[1] for t in times) / tokens

@@ -23,6 +23,8 @@ RUNNER = "ray.autoscaler._private.command_runner:SSHCommandRunner"
 LOCAL = "ray.autoscaler._private.local.node_provider:LocalNodeProvider"
 BIND_PY = "rbln_ray/serve/replica_bind.py"
 PROVIDER_PY = "rbln_ray/cluster/provider.py"
+FLEET_PY = "rbln_ray/serve/fleet_router.py"
+COMMON = "ray.serve._private.common"
 
 REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement(f"{REPLICA}:add_port_to_grpc_server", BIND_PY, params=("server", "address")),
@@ -80,6 +82,9 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement(f"{LOCAL}.terminate_node", PROVIDER_PY, params=("node_id",)),
     Requirement(f"{LOCAL}.bootstrap_config", PROVIDER_PY, params=("cluster_config",)),
     Requirement(f"{LOCAL}.prepare_for_head_node", PROVIDER_PY, params=("cluster_config",)),
+    # a request router built outside Serve (the fleet simulation): its constructor's ids
+    Requirement(f"{COMMON}:DeploymentID", FLEET_PY, params=("name", "app_name")),
+    Requirement(f"{COMMON}:DeploymentHandleSource.UNKNOWN", FLEET_PY, "attribute"),
     Requirement(
         "ray.autoscaler._private.commands:exec_cluster",
         f"{PROVIDER_PY} (for_shared_host)",
@@ -107,6 +112,14 @@ def rewrite_replica_grpc_bind(rewrite: Callable[[str], str]) -> bool:
     add_port_to_grpc_server.rbln_ray_rewrite = True  # type: ignore[attr-defined]
     replica.add_port_to_grpc_server = add_port_to_grpc_server
     return True
+
+
+def router_identity(name: str, app: str) -> tuple[Any, Any]:
+    """(deployment id, handle source) a ``RequestRouter`` is constructed with, for a router
+    built outside Serve (``rbln_ray.serve.fleet_router``): Serve's own types, private."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    return DeploymentID(name=name, app_name=app), DeploymentHandleSource.UNKNOWN
 
 
 def ssh_command_runner_base() -> type:

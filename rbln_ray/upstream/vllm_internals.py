@@ -246,6 +246,14 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         f"{SERVICE_PY} (finished_request_times)",
         "instance attribute",
     ),
+    *(
+        Requirement(
+            f"vllm.v1.metrics.stats:SchedulerStats.{name}",
+            f"{SERVICE_PY} (engine_load)",
+            "attribute",
+        )
+        for name in ("num_running_reqs", "num_waiting_reqs")
+    ),
     Requirement(
         "vllm.v1.metrics.loggers:StatLoggerBase.record",
         SERVICE_PY,
@@ -401,6 +409,16 @@ def ngram_propose(proposer: Any, k: int, sampled: list[list[int]], batch: Any) -
     """vLLM's ``NgramProposer`` over the input batch's token record (rows in batch order;
     a row without a new token gets no drafts)."""
     return proposer.propose(k, sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)
+
+
+def engine_load(scheduler_stats: Any, iteration_stats: Any) -> int | None:
+    """Requests in the engine after one step: those the scheduler ran or kept waiting at
+    the step's start, less those that finished in it (None: no scheduler stats)."""
+    if scheduler_stats is None:
+        return None
+    load = int(scheduler_stats.num_running_reqs) + int(scheduler_stats.num_waiting_reqs)
+    finished = getattr(iteration_stats, "finished_requests", None) or ()
+    return max(0, load - len(finished))
 
 
 def finished_request_times(iteration_stats: Any) -> list[tuple[int, float, float]]:

@@ -325,3 +325,28 @@ def test_routers_learn_each_others_load_from_the_replicas_reports() -> None:
         assert b._known_load("r0") == 7
 
     asyncio.run(scenario())
+
+
+def test_a_replica_reports_its_engines_load_with_each_report() -> None:
+    """The stat logger, fed vLLM's own stats objects, keeps the engine's requests after each
+    step (running and waiting, less those the step finished); every report carries it with
+    a new sequence number, also before any request has ended (no times yet)."""
+    from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+    from rbln_ray.serve.service_times import ServiceTimes
+
+    times = ServiceTimes()
+    logger = times.stat_logger()(None, 0)
+    assert times.report() == {}
+    logger.record(SchedulerStats(num_running_reqs=3, num_waiting_reqs=2), IterationStats())
+    assert times.report() == {STATS_LOAD: 5, STATS_REPORT: 2}
+    step = IterationStats()
+    step.finished_requests = [
+        FinishedRequestStats(finish_reason=None, num_prompt_tokens=100, num_cached_tokens=0,
+                             prefill_time=0.1, inference_time=1.0)
+    ]  # fmt: skip
+    logger.record(SchedulerStats(num_running_reqs=4, num_waiting_reqs=0), step)
+    logger.record(None, None)  # a step without stats keeps the last load
+    out = times.report()
+    assert out[STATS_LOAD] == 3 and out[STATS_REPORT] == 3
+    assert out[STATS_SERVICE_S] == pytest.approx(1.0)
