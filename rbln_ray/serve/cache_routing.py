@@ -24,8 +24,10 @@ What the router knows, per replica:
   several ingress replicas each router counts only its own sends, and Serve's cache forgets
   a replica after 10 s without a send there (at 1,024 replicas a router reaches each one
   every ~10 s): so replicas also report their load with their cache, every router takes
-  ``reported - its own count`` when it first sees a report as the load the other routers
-  put there, and counts ``its own + that`` (:meth:`CacheAwareRouter._known_load`);
+  ``reported - the most it had there since the report before`` when it first sees a report
+  as the load the other routers put there (a report is up to a period old when it arrives:
+  its own requests that ended meanwhile must not read as others'), and counts ``its own +
+  that`` (:meth:`CacheAwareRouter._known_load`);
 * **its service times**: each replica also reports how long its recent requests took to
   prefill per uncached token and how long they held a decode slot
   (:mod:`rbln_ray.serve.service_times`, from vLLM's request stats);
@@ -626,9 +628,11 @@ class CacheAwareRouter(RequestRouter):
         self._inflight: dict[str, tuple[str, _Request]] = {}  # request id -> replica, request
         self._load: Counter[str] = Counter()
         # Load other routers put on a replica, as of its last report (replica id -> load),
-        # and which report that was (its sequence number).
+        # which report that was (its sequence number), and the most this router had there
+        # since it read the report before.
         self._others: dict[str, int] = {}
         self._others_report: dict[str, Any] = {}
+        self._own_peak: dict[str, int] = {}
         self._recent: dict[str, _Recent] = {}
         self._recent_masks = _RecentMasks()
         self._sessions: OrderedDict[str, str] = OrderedDict()
@@ -700,8 +704,9 @@ class CacheAwareRouter(RequestRouter):
         load, seq = stats.get(STATS_LOAD), stats.get(STATS_REPORT)
         if load is not None and seq != self._others_report.get(rid):
             self._others_report[rid] = seq
-            before = self._known_load(rid)
-            self._others[rid] = max(0, int(load) - self._load[rid])
+            before, own = self._known_load(rid), self._load[rid]
+            self._others[rid] = max(0, int(load) - max(own, self._own_peak.get(rid, own)))
+            self._own_peak[rid] = own
             self._regroup(rid, before)
         return cached[1], cached[2]
 
@@ -989,7 +994,9 @@ class CacheAwareRouter(RequestRouter):
     def _count(self, rid: str, delta: int) -> None:
         """This router's load of a replica changes (and the replica's load group)."""
         before = self._known_load(rid)
-        self._load[rid] = max(0, self._load[rid] + delta)
+        self._load[rid] = own = max(0, self._load[rid] + delta)
+        if own > self._own_peak.get(rid, 0):
+            self._own_peak[rid] = own
         self._regroup(rid, before)
 
     def on_request_routed(
@@ -1037,7 +1044,7 @@ class CacheAwareRouter(RequestRouter):
             self._recent.pop(rid).forget()
         for rid in [r for r in self._load if r not in live]:
             del self._load[rid]
-        for table in (self._others, self._others_report):
+        for table in (self._others, self._others_report, self._own_peak):
             for rid in [r for r in table if r not in live]:
                 del table[rid]
         for rid in [r for r in self._slots if r not in live]:

@@ -350,3 +350,27 @@ def test_a_replica_reports_its_engines_load_with_each_report() -> None:
     out = times.report()
     assert out[STATS_LOAD] == 3 and out[STATS_REPORT] == 3
     assert out[STATS_SERVICE_S] == pytest.approx(1.0)
+
+
+def test_a_lone_routers_own_finished_requests_never_read_as_others_load() -> None:
+    """A report is up to a period old when a router reads it: the requests it counted there
+    may have ended since. One router alone must find no one else's load in it."""
+
+    async def scenario() -> None:
+        times = {STATS_PREFILL_S_PER_TOKEN: 0.001, STATS_SERVICE_S: 1.0}
+        replicas = [FakeReplica(ReplicaID(f"r{i}", DEPLOYMENT), dict(times)) for i in range(4)]
+        router = CacheAwareRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(tokenizer=None, batch_size=4, exact_scan_max=2)
+        sent = []
+        for i in range(3):
+            req = pending([i] * 8, None)
+            await router.choose_replicas(replicas, req)
+            router.on_request_routed(req, replicas[0].replica_id, None)
+            sent.append(req.metadata.internal_request_id)
+        router.on_request_completed(None, sent[0])  # ends after the replica's report ...
+        report = [FakeReplica(r.replica_id, dict(r.routing_stats)) for r in replicas]
+        report[0].routing_stats.update({STATS_LOAD: 3, STATS_REPORT: 1})  # ... said 3
+        await router.choose_replicas(report, pending([9] * 8, None))
+        assert router._known_load("r0") == 2
+
+    asyncio.run(scenario())
