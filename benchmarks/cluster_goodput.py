@@ -29,8 +29,9 @@ own TTFT <= ``--ttft-slo-s`` (2 s) and TPOT <= ``--tpot-slo-ms`` (150 ms) (vLLM'
 its conversation's earlier turn failed, misses the SLO).
 
 Every rate of every system starts from the same state: the rbln-ray app is deployed afresh
-(its replicas' device caches empty) and the host tiers emptied; vllm-rbln's prefix caches are
-reset (its ``/reset_prefix_cache``, vLLM's development route). The measured window of a rate
+(its replicas' device caches empty) and the host tiers emptied; vllm-rbln's servers are started
+anew (its ``/reset_prefix_cache`` leaves vllm-rbln's own block manager out of step).
+The measured window of a rate
 starts once its TTFT has settled (:func:`settled_at`, at least ``--warmup`` seconds in); the
 plot shows TTFT over time with that start marked. A system's **SLO capacity** is the highest
 rate at which at least 90 % of its requests meet the SLO (DistServe's goodput), interpolated
@@ -123,7 +124,7 @@ def _parse(text: str, label: str | None) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            i = names.get(s.name.removeprefix("ray_"))
+            i = names.get(s.name.removeprefix("ray_").replace(":", "_"))
             if i is not None:
                 key = s.labels.get(label, "?") if label else "server"
                 out.setdefault(key, [0.0, 0.0, 0.0])[i] += s.value
@@ -208,6 +209,7 @@ def rbln_ray_cluster(args: argparse.Namespace) -> Iterator[int]:
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
+        empty_tiers()  # host memory back
 
 
 def deploy(compiled: Path, system: str, args: argparse.Namespace, port: int) -> str:
@@ -216,7 +218,6 @@ def deploy(compiled: Path, system: str, args: argparse.Namespace, port: int) -> 
     from ray import serve
 
     from rbln_ray.serve import APP_NAME, build_app, load_config
-    from rbln_ray.vllm_plugin.host_tier import DEFAULT_ROOT, HostKVTier
 
     engine: dict[str, Any] = {
         "additional_config": {"rbln_decode_steps_between_chunks": args.decode_steps}
@@ -232,11 +233,18 @@ def deploy(compiled: Path, system: str, args: argparse.Namespace, port: int) -> 
     config = load_config({"port": port, "routing": ROUTING[system], "models": [model]})
     with contextlib.suppress(Exception):  # none deployed yet
         serve.delete(APP_NAME)
-    for root in DEFAULT_ROOT.glob("*"):  # every node's tier (they are named by node)
-        if (root / "index.sqlite").is_file():
-            HostKVTier(root, 1, "").clear()
+    empty_tiers()
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     return f"http://127.0.0.1:{port}"
+
+
+def empty_tiers() -> None:
+    """Empty every node's host KV tier (they are named by node under the default root)."""
+    from rbln_ray.vllm_plugin.host_tier import DEFAULT_ROOT, HostKVTier
+
+    for root in DEFAULT_ROOT.glob("*"):
+        if (root / "index.sqlite").is_file():
+            HostKVTier(root, 1, "").clear()
 
 
 def haproxy_binary(given: str | None) -> Path:
@@ -301,7 +309,6 @@ def vllm_rbln_behind_haproxy(
     try:
         for i, port in enumerate(ports):
             env = peer_env(
-                VLLM_SERVER_DEV_MODE="1",  # /reset_prefix_cache between rates
                 RBLN_RAY_EMULATOR_MODE="timing",
                 RBLN_RAY_TIMING_SHAPE=args.shape,
                 RBLN_RAY_NODE_ID=f"goodput-{uuid.uuid4().hex[:8]}-{i}",  # its own ATOM
@@ -345,25 +352,24 @@ def vllm_rbln_behind_haproxy(
 
 # ------------------------------------------------------------------ one system, every rate
 def run_rates(
-    system: str,
-    fresh: Any,
-    counters: Any,
-    source: TextSource,
-    args: argparse.Namespace,
+    system: str, fresh: Any, source: TextSource, args: argparse.Namespace
 ) -> dict[str, Any]:
-    """Every rate of ``system``'s grid, each from a fresh state (``fresh()`` resets the
-    system and returns its URL)."""
+    """Every rate of ``system``'s grid, each from a fresh state: ``fresh()`` is a context
+    that starts (or resets) the system and yields its URL and its counters' reader."""
     out = {}
     for i, rate in enumerate(rates_of(system, args)):
-        url = fresh()
         spec = workload_spec(args, rate, seed=100 + i)
         sessions = build_workload(source, spec, tag=f"r{rate:g}")
-        before = counters()
-        with tier_sampler(system == "t") as samples:
-            wall = asyncio.run(
-                run_sessions(url, MODEL, sessions, args.duration, desc=f"({system}) {rate:g} req/s")
-            )
-        time.sleep(3)  # vLLM's counters reach Ray's export within its 1 s report interval
+        with fresh() as (url, counters):
+            before = counters()
+            with tier_sampler(system == "t") as samples:
+                wall = asyncio.run(
+                    run_sessions(
+                        url, MODEL, sessions, args.duration, desc=f"({system}) {rate:g} req/s"
+                    )
+                )
+            time.sleep(3)  # vLLM's counters reach Ray's export within its 1 s interval
+            after = counters()
         start = settled_at(sessions, args.warmup, args.duration)
         res = summarise(sessions, (start, args.duration), args.ttft_slo_s, args.tpot_slo_ms / 1e3)
         res |= {
@@ -372,7 +378,7 @@ def run_rates(
             "wall_s": wall,
             "window_s": [start, args.duration],
             "ttft_over_time": ttft_over_time(sessions, args.duration),
-            "prefix_cache": hit_rates(before, counters()),
+            "prefix_cache": hit_rates(before, after),
             "loadavg_after": os.getloadavg(),
         }
         if samples:  # (t): every node's tier over the run, against its bound
@@ -659,24 +665,26 @@ def main(argv: list[str] | None = None) -> int:
             for system in rbln:
                 print(f"== ({system}) {SYSTEMS[system]}", flush=True)
 
-                def fresh(system: str = system) -> str:
-                    url = deploy(compiled, system, args, port)
+                @contextlib.contextmanager
+                def fresh(system: str = system) -> Iterator[tuple[str, Any]]:
+                    url = deploy(compiled, system, args, port)  # replicas started anew
                     asyncio.run(wait_ready(url, 900))
-                    return url
+                    yield url, ray_counters
 
-                results[system] = run_rates(system, fresh, ray_counters, source, args)
+                results[system] = run_rates(system, fresh, source, args)
     if "b" in systems:
         print(f"== (b) {SYSTEMS['b']}", flush=True)
-        with vllm_rbln_behind_haproxy(compiled, args, common.RESULTS) as (url, servers):
 
-            def reset() -> str:
-                import httpx
+        @contextlib.contextmanager
+        def servers_anew() -> Iterator[tuple[str, Any]]:
+            # vllm-rbln's prefix cache cannot be reset in place (its /reset_prefix_cache
+            # leaves its own block manager behind, and the next request kills the engine:
+            # "Cached outer blocks and allocated outer blocks should be disjoint"), so every
+            # rate starts new servers
+            with vllm_rbln_behind_haproxy(compiled, args, common.RESULTS) as (url, servers):
+                yield url, lambda: server_counters(servers)
 
-                for server in servers:  # each server's prefix cache emptied
-                    httpx.post(f"{server}/reset_prefix_cache", timeout=60).raise_for_status()
-                return url
-
-            results["b"] = run_rates("b", reset, lambda: server_counters(servers), source, args)
+        results["b"] = run_rates("b", servers_anew, source, args)
     results = {k: results[k] for k in SYSTEMS if k in results}
     g = goals(results)
     settings = dict(vars(args))
