@@ -61,7 +61,9 @@ from rbln_ray.upstream import rebel_internals, vllm_internals
 from rbln_ray.vllm_plugin.host_transfer import HostTransfer
 from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK, BlockLayout, KVCopy, KVStepPlan
 from rbln_ray.vllm_plugin.lora import LoRARows
+from rbln_ray.vllm_plugin.spec import verify
 from rbln_ray.vllm_plugin.spec.policy import SpecStepInfo
+from rbln_ray.vllm_plugin.spec.verify import Speculator, VerifyStep
 
 logger = logging.getLogger(__name__)
 
@@ -144,23 +146,8 @@ class _DecodeStep:
     # rank's hidden states, received at launch
 
 
-@dataclass
-class _VerifyStep:
-    """A speculative-decoding verify step's device inputs (built in :meth:`prepare`: its
-    positions depend on how many drafts the previous step accepted)."""
-
-    so: SchedulerOutput
-    req_ids: list[str]  # live rows, input batch order
-    bs: int
-    width: int
-    inputs: list[torch.Tensor]  # the verify graph's inputs, in its input order
-    device_row: dict[str, int]  # request -> row of the call
-    front: dict[str, int]  # request -> positions re-fed before its last token (front padding)
-    drafts: dict[str, list[int]]  # request -> its drafts as scheduled
-
-
 # What prepare() hands launch(): a step to run, or an output at once (nothing scheduled).
-PreparedStep = _PrefillStep | _DecodeStep | _VerifyStep | ModelRunnerOutput | None
+PreparedStep = _PrefillStep | _DecodeStep | VerifyStep | ModelRunnerOutput | None
 
 
 @dataclass
@@ -171,15 +158,6 @@ class RBLNRunnerOutput(ModelRunnerOutput):
 
     rbln_spec: SpecStepInfo | None = None
     rbln_drafts: DraftTokenIds | None = None
-
-
-@dataclass
-class Speculator:
-    """A worker's speculative-decoding parts: the artifact's verify runtimes (one per
-    compiled decode batch) and the proposer."""
-
-    verify_runtimes: dict[int, Any]
-    drafter: Any  # spec.proposers.NgramDrafter | DraftModelDrafter
 
 
 def new_request_state(new: NewRequestData) -> CachedRequestState:
@@ -431,7 +409,7 @@ class RBLNModelRunner:
             req_ids = list(so.num_scheduled_tokens)
         self._last_rows = req_ids
         if plan.kind == "verify":
-            return self._prepare_verify(so, plan, req_ids)
+            return verify.prepare_verify(self, so, plan, req_ids)
         if plan.kind != "prefill":
             if ahead is None or ahead.so is not so or ahead.req_ids != req_ids:
                 positions = [self.requests[r].num_computed_tokens for r in req_ids]
@@ -544,56 +522,6 @@ class RBLNModelRunner:
             inputs.update(self.embedder.decode_inputs(states, cache_pos))
         return _DecodeStep(so, req_ids, bs, layout, list(positions), cache_pos, inputs)
 
-    def _prepare_verify(
-        self, so: SchedulerOutput, plan: KVStepPlan, req_ids: list[str]
-    ) -> _VerifyStep:
-        """A verify step's inputs: per row the last sampled token and its drafts, ``width``
-        positions from the last sampled token's (back-padded by repeating the last real
-        token; front-padded near ``max_model_len``); padding rows on the scratch block."""
-        if self.spec is None:
-            raise RuntimeError("a verify step on a runner without speculative decoding")
-        width = plan.width
-        sizes = self.artifact.decoder_batch_sizes
-        idx = bisect.bisect_left(sizes, len(req_ids))
-        if idx == len(sizes):
-            raise RuntimeError(f"{len(req_ids)} verify rows exceed the compiled batch {sizes[-1]}")
-        bs = sizes[idx]
-        limit = self.vllm_config.model_config.max_model_len
-        rows: list[tuple[int, list[int], list[int], str]] = []  # (first position, ids, ...)
-        front: dict[str, int] = {}
-        drafts: dict[str, list[int]] = {}
-        for r in req_ids:
-            state = self.requests[r]
-            n = state.num_tokens - 1  # the last sampled token's position (no KV yet)
-            mine = list(so.scheduled_spec_decode_tokens.get(r, ()))[: width - 1]
-            f = max(0, n + width - limit)
-            ids = [state.get_token_id(p) for p in range(n - f, n + 1)]
-            ids += [max(0, d) for d in mine]  # a -1 draft (never accepted) as a valid id
-            ids += [ids[-1]] * (width - len(ids))
-            rows.append((n - f, ids, self._table_row(plan.tables[r]), r))
-            front[r], drafts[r] = f, mine
-        order = list(range(len(rows)))
-        if self.artifact.requires_batch_sort:
-            order.sort(key=lambda i: -rows[i][0])
-        padding = bs - len(rows)
-        scratch = plan.scratch_position
-        ids = [rows[i][1] for i in order] + [[0] * width] * padding
-        pos = [list(range(rows[i][0], rows[i][0] + width)) for i in order]
-        pos += [list(range(scratch, scratch + width))] * padding
-        tables = [rows[i][2] for i in order]
-        tables += [self._table_row([plan.scratch_block])] * padding
-        cache_pos = torch.tensor(pos, dtype=torch.int32)
-        inputs = [
-            torch.tensor(ids, dtype=torch.long),
-            cache_pos,
-            torch.tensor(tables, dtype=torch.int16),
-        ]
-        if self.artifact.use_attention_mask:  # one causal row per query token
-            span = torch.arange(self.artifact.max_seq_len)
-            inputs.append((span.view(1, 1, 1, -1) <= cache_pos.view(bs, 1, width, 1)).float())
-        device_row = {rows[i][3]: row for row, i in enumerate(order)}
-        return _VerifyStep(so, req_ids, bs, width, inputs, device_row, front, drafts)
-
     def _token_ids(self, step: _DecodeStep) -> torch.Tensor:
         """The step's input token ids, ``[bs, 1]``: each row's token at its position (the
         last sampled one), 0 in padding rows."""
@@ -618,8 +546,8 @@ class RBLNModelRunner:
         self._save_to_host(getattr(step.so, "rbln_plan", None))
         if not self.first_stage and receive is None:
             raise RuntimeError("pipeline rank without the previous stage's hidden states")
-        if isinstance(step, _VerifyStep):
-            self._pending = self._verify(step)
+        if isinstance(step, VerifyStep):
+            self._pending = verify.run_verify(self, step)
             return None
         if isinstance(step, _PrefillStep):
             logits = self._prefill(step, receive)
@@ -645,71 +573,6 @@ class RBLNModelRunner:
         """The drafts proposed after the last step (vLLM's engine takes them once)."""
         drafts, self._drafts = self._drafts, None
         return drafts
-
-    def _propose(
-        self, so: SchedulerOutput, req_ids: list[str], sampled: list[list[int]]
-    ) -> DraftTokenIds | None:
-        """Drafts for the next step of the rows that sampled a token now (``sampled`` in
-        input batch order); the scheduler says how many (0: none)."""
-        k = min(so.num_spec_tokens_to_schedule, self.num_spec_tokens(self.vllm_config))
-        if self.spec is None or k <= 0 or not any(sampled):
-            return None
-        drafts = self.spec.drafter.propose_step(self, so, req_ids, sampled, k)
-        return DraftTokenIds(list(req_ids), [list(d) for d in drafts])
-
-    def _sample_verify(self, pending, grammar_output: GrammarOutput | None):
-        """Rejection-sample a verify step; returns (tokens per row, logprobs)."""
-        from vllm.v1.sample.rejection_sampler import RejectionSampler
-
-        from rbln_ray.vllm_plugin.spec.sampling import spec_metadata
-
-        so, logits, drafts, _ = pending
-        batch = self.input_batch
-        for req_id, mine in zip(batch.req_ids, drafts, strict=True):
-            # penalties and bad words see the drafts (vLLM's sampling metadata)
-            vllm_internals.set_spec_tokens(batch, self.requests[req_id], mine)
-        if grammar_output is not None:
-            from vllm.v1.structured_output.utils import apply_grammar_bitmask
-
-            apply_grammar_bitmask(so, grammar_output, batch, logits)
-        md = spec_metadata(drafts)
-        out = self.rejection_sampler(md, None, logits, batch.sampling_metadata)
-        tokens, logprobs = RejectionSampler.parse_output(
-            out.sampled_token_ids,
-            self.vllm_config.model_config.get_vocab_size(),
-            logprobs_tensors=out.logprobs_tensors,
-        )
-        for req_id in batch.req_ids:
-            vllm_internals.set_spec_tokens(batch, self.requests[req_id], [])
-        self.stats.spec_draft_tokens += sum(len(d) for d in drafts)
-        self.stats.spec_accepted_tokens += sum(
-            max(0, len(t) - 1) for t, d in zip(tokens, drafts, strict=True) if d
-        )
-        return tokens, logprobs
-
-    def _verify(self, step: _VerifyStep):
-        """Run a verify step; its logits in vLLM's flat layout (per request in batch order:
-        one row per draft, then the bonus position) and the drafts, for :meth:`sample`."""
-        if self.before_device is not None:
-            self.before_device()
-        runtime = self.spec.verify_runtimes[step.bs]
-        start_t = time.perf_counter()
-        logits = runtime(*step.inputs)
-        took = time.perf_counter() - start_t
-        self.stats.device_seconds += took
-        self.stats.verify_steps += 1
-        self.stats.verify_rows += len(step.req_ids)
-        self.stats.padded_rows += step.bs - len(step.req_ids)
-        self.stats.record("verify", step.req_ids)
-        pieces, drafts = [], []
-        for r in self.input_batch.req_ids:
-            row, f, mine = step.device_row[r], step.front[r], step.drafts[r]
-            pieces.append(logits[row, f : f + len(mine) + 1])
-            drafts.append(mine)
-        firsts = [int(step.inputs[1][row, 0]) for row in step.device_row.values()]
-        context = sum(firsts) // max(1, len(firsts))
-        info = SpecStepInfo("verify", step.bs, context, took)
-        return step.so, torch.cat(pieces).float(), drafts, info
 
     def _save_to_host(self, plan: KVStepPlan | None) -> None:
         """The step's host tier saves, before anything of the step writes those blocks."""
@@ -860,7 +723,7 @@ class RBLNModelRunner:
         if len(pending) == 4:  # a verify step
             host_t = time.perf_counter()
             so, info = pending[0], pending[3]
-            token_ids, logprob_lists = self._sample_verify(pending, grammar_output)
+            token_ids, logprob_lists = verify.sample_verify(self, pending, grammar_output)
             for req_id, tokens in zip(req_ids, token_ids, strict=True):
                 for token in tokens:
                     self._append_token(req_id, token)
@@ -886,7 +749,7 @@ class RBLNModelRunner:
             info = self._step_info(so)
             logprob_lists = logprobs.tolists() if logprobs is not None else None
         drafter_t, calls_before = self._drafter_time()
-        drafts = self._propose(so, req_ids, token_ids)
+        drafts = verify.propose(self, so, req_ids, token_ids)
         drafter_after, calls_after = self._drafter_time()
         info.draft_s, info.draft_calls = drafter_after - drafter_t, calls_after - calls_before
         info.host_s = time.perf_counter() - host_t - info.draft_s
