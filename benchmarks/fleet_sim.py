@@ -54,7 +54,7 @@ from rbln_ray.planning.fleet import (
     summarise,
 )
 from rbln_ray.planning.fleet.ingress import replicas_needed
-from rbln_ray.planning.fleet.metrics import percentile
+from rbln_ray.planning.fleet.metrics import percentile, stickiness
 from rbln_ray.serve.fleet_router import SimulatedRouter, block_keys
 
 MEASURED = common.RESULTS / "cluster_goodput.json"  # BENCHMARKS 15's full run
@@ -149,6 +149,12 @@ def pooled(results: list[dict[str, Any]], window: tuple[float, float], args: Any
     res["replicas"] = len(runs[0].replicas)
     res["goodput_per_device"] = res["goodput_req_per_s"] / res["replicas"]
     res["seeds"] = seeds
+    # per run (the seeds' session ids repeat), weighted by the run's requests
+    sticky = [(stickiness(run), len(run.requests)) for run in runs]
+    sticky = [(s, n) for s, n in sticky if s is not None]
+    res["session_stickiness"] = (
+        sum(s * n for s, n in sticky) / sum(n for _, n in sticky) if sticky else None
+    )
     lo, hi = window
     routers = [s for r in results for s in r["routers"]]
     chosen = [

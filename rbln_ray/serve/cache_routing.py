@@ -576,9 +576,9 @@ class _Request:
     block_size: int = DEFAULT_BLOCK_SIZE  # the one it was last routed with
 
     def chain(self, block_size: int) -> list[int]:
-        if self.tokens is None:
-            return []
         if block_size not in self.keys:
+            if self.tokens is None:
+                return []
             self.keys[block_size] = chain_hashes(
                 self.tokens, block_size, lora_name=self.lora, cache_salt=self.salt
             )
@@ -1013,6 +1013,10 @@ class CacheAwareRouter(RequestRouter):
             recent = _Recent(self._slot(rid), self._recent_masks, self._clock)
             self._recent[rid] = recent
         recent.add(request.chain(request.block_size))
+        # Routed: only its keys are needed from here on (its recent sends, when it ends);
+        # a prompt's tokens are most of what a router holds per request in flight.
+        request.tokens = None
+        request.keys = {request.block_size: request.keys.get(request.block_size, [])}
         if request.session:
             self._sessions[request.session] = rid
             self._sessions.move_to_end(request.session)

@@ -241,19 +241,20 @@ class SimulatedRouter:
         (their prompts' tokens and keys), and the reports as Serve's replica list holds them."""
         seen: set[int] = set()
         r = self.router
+        stats = [x.routing_stats for x in self.listing]
         return {
-            "kv_index": _deep_size((r._reports, r._holders._holders), seen),
-            "recent_sends": _deep_size((r._recent, r._recent_masks.__dict__), seen),
-            "sessions": _deep_size(r._sessions, seen),
-            "in_flight": _deep_size((r._inflight, r._pending), seen),
-            "reports_as_served": _deep_size([x.routing_stats for x in self.listing], seen),
+            "kv_index": _deep_size(seen, r._reports, r._holders._holders),
+            "recent_sends": _deep_size(seen, r._recent, r._recent_masks.__dict__),
+            "sessions": _deep_size(seen, r._sessions),
+            "in_flight": _deep_size(seen, r._inflight, r._pending),
+            "reports_as_served": _deep_size(seen, *stats),
         }
 
 
-def _deep_size(obj: Any, seen: set[int]) -> int:
-    """``sys.getsizeof`` of ``obj`` and everything it holds (containers, dataclass-like
-    objects' ``__dict__``/slots), each object once."""
-    total, stack = 0, [obj]
+def _deep_size(seen: set[int], *roots: Any) -> int:
+    """``sys.getsizeof`` of ``roots`` and everything they hold (containers, objects'
+    ``__dict__``), each object once (``seen``: ids counted, of objects that stay alive)."""
+    total, stack = 0, list(roots)
     while stack:
         item = stack.pop()
         if id(item) in seen or item is None or isinstance(item, bool | type):
