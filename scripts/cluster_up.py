@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     from rbln_ray.serve.config import RequestLimits
     from rbln_ray.serve.proxy_guard import proxy_env
 
-    env.update(proxy_env(RequestLimits().max_request_bytes))
+    env.update(proxy_env(RequestLimits()))
     result: dict[str, Any] = {"ok": False}
     started = time.monotonic()
     try:
