@@ -26,6 +26,11 @@ What differs from LLaVA (:mod:`.llava`):
   ``get_vision_encoder_info`` imports ``pixtral`` (torchvision) on the first request;
   :class:`PaliGemmaSiglipProcessingInfo` answers with the SigLIP encoder's info directly and
   vLLM's own processor does the rest, under :class:`RBLNPaliGemmaDeclaration`.
+* **Tokens per image.** optimum-rbln 0.12 reads ``vision_config.num_image_tokens`` when it
+  runs the tower; transformers 5 saves it on ``text_config`` only (and derives it from the
+  tower's shape), so an artifact compiled from such a checkpoint fails on its first image.
+  :func:`num_image_tokens` reads it once, from wherever the checkpoint has it, and
+  :meth:`PaliGemma.after_compile` writes it where optimum reads it.
 * **Features.** The projector runs on the host; optimum's ``get_image_features`` divides it by
   ``sqrt(hidden)`` because the compiled Gemma graph scales every input embedding by it (the
   host embedding table is unscaled), which leaves image features as transformers has them.
@@ -33,6 +38,8 @@ What differs from LLaVA (:mod:`.llava`):
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +63,30 @@ IMAGE_TOKEN = "<image>"
 SPECIAL_TOKENS = [IMAGE_TOKEN]
 # The processor ends every prompt with a newline of its own (see the module docstring).
 GENERATION_PROMPT = "<|assistant|>"
+
+
+def num_image_tokens(config: Mapping[str, Any]) -> int:
+    """Tokens per image of a PaliGemma ``config.json``: the tower's patch grid
+    (``(image_size // patch_size) ** 2``, what transformers derives), checked against the
+    copies checkpoints keep on ``vision_config`` and ``text_config``; a ``ValueError`` names
+    the field that is missing or disagrees."""
+    vision = config.get("vision_config") or {}
+    missing = [f for f in ("image_size", "patch_size") if not vision.get(f)]
+    if missing:
+        raise ValueError(
+            f"PaliGemma config.json: vision_config has no {', '.join(missing)}, from which "
+            "its tokens per image (num_image_tokens) are derived"
+        )
+    tokens = (vision["image_size"] // vision["patch_size"]) ** 2
+    for where in ("vision_config", "text_config"):
+        kept = (config.get(where) or {}).get("num_image_tokens")
+        if kept is not None and kept != tokens:
+            raise ValueError(
+                f"PaliGemma config.json: {where}.num_image_tokens is {kept}, but the vision "
+                f"tower's image_size {vision['image_size']} and patch_size "
+                f"{vision['patch_size']} make {tokens} tokens per image"
+            )
+    return tokens
 
 
 # ----------------------------------------------------------------------------- vLLM
@@ -97,12 +128,23 @@ class PaliGemma(VisionCode):
     SPECIAL_TOKENS = SPECIAL_TOKENS
     GENERATION_PROMPT = GENERATION_PROMPT
     Embedder = Embedder
+    TINY_RECIPE = 1  # 1: num_image_tokens on text_config only, as transformers 5 saves it
 
     def language_rbln_config(self, hf_dir: str | Path, language: dict[str, Any]) -> dict:
         """The prefix-LM prefill's compile settings: an attention mask (optimum compiles
         position ids for PaliGemma, which it accepts only with one), the whole prompt in one
         chunk."""
         return {"use_attention_mask": True, "prefill_chunk_size": language["max_seq_len"]}
+
+    def after_compile(self, hf_dir: str | Path, out: Path) -> None:
+        """The tokens per image where optimum-rbln reads them (``vision_config``; see the
+        module docstring), whichever field the checkpoint kept."""
+        super().after_compile(hf_dir, out)
+        tokens = num_image_tokens(json.loads((Path(hf_dir) / "config.json").read_text()))
+        path = out / "config.json"
+        config = json.loads(path.read_text())
+        config.setdefault("vision_config", {})["num_image_tokens"] = tokens
+        path.write_text(json.dumps(config, indent=2) + "\n")
 
     def tiny_model(self, spec: Any, tokenizer: Any) -> tuple[Any, Any]:
         """PaliGemma-1's recipe at the spec's shape: a SigLIP tower without its pooling head (as
@@ -135,9 +177,7 @@ class PaliGemma(VisionCode):
             patch_size=spec.patch_size,
             projection_dim=hidden,
             vision_use_head=False,
-            # read from vision_config by optimum-rbln 0.12 (transformers keeps it on text_config;
-            # the released checkpoints have it in both)
-            num_image_tokens=tokens,
+            # no num_image_tokens: transformers 5 saves it on text_config only, as here
         )
         config = transformers.PaliGemmaConfig(
             text_config=text.to_dict(),

@@ -468,3 +468,20 @@ def test_a_compiled_directory_is_read_as_its_records_artifact(tmp_path: Path) ->
     assert art.vision_family == "gemma3_vl" and not art.prefill_resumable  # Gemma3's prefill
     with pytest.raises(UnsupportedModelError, match="MidmLMHeadModel"):
         load_artifact(write("midm", "MidmLMHeadModel", {"cls_name": "X", **decoder}))
+
+
+def test_paligemma_tokens_per_image_are_read_wherever_the_checkpoint_keeps_them() -> None:
+    """transformers 5 saves ``num_image_tokens`` on ``text_config`` only, optimum-rbln reads it
+    from ``vision_config`` (issue 47): derived from the tower's shape, and a checkpoint whose
+    copies disagree or whose tower has no shape is refused naming the field."""
+    from rbln_ray.families.paligemma import num_image_tokens
+
+    tower = {"image_size": 224, "patch_size": 14}
+    assert (
+        num_image_tokens({"vision_config": tower, "text_config": {"num_image_tokens": 256}}) == 256
+    )
+    assert num_image_tokens({"vision_config": {**tower, "num_image_tokens": 256}}) == 256
+    with pytest.raises(ValueError, match=r"text_config\.num_image_tokens is 255.*make 256"):
+        num_image_tokens({"vision_config": tower, "text_config": {"num_image_tokens": 255}})
+    with pytest.raises(ValueError, match="vision_config has no patch_size"):
+        num_image_tokens({"vision_config": {"image_size": 224}})
