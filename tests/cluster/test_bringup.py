@@ -57,6 +57,13 @@ def run_script(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess,
     return proc, result
 
 
+# The bring-up's deadline: its replicas start while the other worker starts the seven-model
+# apps (tests/conftest.py hands both out first), and on a loaded 2-core host the app took over
+# 600 s to come up (seen in a fresh-clone run; 220 s on a quiet one).
+BRING_UP_S = 1200
+
+
+@pytest.mark.timeout(BRING_UP_S + 400)
 def test_cluster_bring_up_serves_across_raylets_and_tears_down():
     model = compiled_model("llama")  # tiny, batch 4, max_seq_len 512, 1 device
     started = time.monotonic()
@@ -68,8 +75,8 @@ def test_cluster_bring_up_serves_across_raylets_and_tears_down():
         "--rbln-per-worker", "2",
         "--min-replica-nodes", "2",
         "--max-tokens", "8",
-        "--timeout", "600",
-        timeout=900,
+        "--timeout", str(BRING_UP_S),
+        timeout=BRING_UP_S + 300,
     )  # fmt: skip
     elapsed = time.monotonic() - started
     assert proc.returncode == 0 and result["ok"], (result, proc.stdout[-4000:])
