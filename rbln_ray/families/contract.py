@@ -57,9 +57,6 @@ class VisionCode(FamilyCode, ABC):
     GENERATION_PROMPT: ClassVar[str] = GENERATION_PROMPT
     # TinyVisionLanguageSpec fields the family sets when a spec leaves them unset (None).
     SPEC_DEFAULTS: ClassVar[Mapping[str, Any]] = {}
-    # Raised when ``tiny_model`` changes what it builds, so cached tiny models (keyed by their
-    # spec) are built again rather than tested in their old shape.
-    TINY_RECIPE: ClassVar[int] = 0
     # The family's own HF processor class (transformers' without torchvision, or loaded from
     # its parts); None: transformers' AutoProcessor loads it.
     PROCESSOR: ClassVar[type | None] = None

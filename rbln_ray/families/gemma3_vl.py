@@ -24,10 +24,12 @@ What differs from LLaVA (:mod:`.llava`):
   request); rbln-ray's decode takes token positions, so the compile refuses ``flash_attn``.
 * **Prompt format.** Each ``<start_of_image>`` becomes ``"\\n\\n<start_of_image>"``,
   ``mm_tokens_per_image`` image tokens, ``"<end_of_image>\\n\\n"``; vLLM's placeholder covers
-  all of it and marks the image tokens (``is_embed``). vLLM's own Gemma3 processor also merges
-  the newlines next to the insertion into Gemma's multi-newline tokens; the tiny tokenizer has
-  none (checked: prompt ids equal transformers'), and this processor does not, so a real Gemma
-  tokenizer's prompts must be re-checked. Pan-and-scan crops are not served.
+  all of it and marks the image tokens (``is_embed``). transformers' processor inserts that
+  text before tokenizing, so Gemma's multi-newline tokens (``"\\n\\n\\n"`` is one token) swallow
+  the newlines on either side; vLLM inserts token ids, so the processor below merges each run
+  of newline tokens an insertion touches as the tokenizer would (:func:`merge_newlines`, what
+  vLLM's own ``gemma3_mm`` does). The tiny tokenizer has Gemma's newline tokens, so the
+  tests' prompt ids check it. Pan-and-scan crops are not served.
 * **vLLM's view.** vLLM 0.30's ``gemma3_mm`` imports transformers' torchvision image processor
   at module level, so the processor below and :class:`RBLNGemma3Declaration` take its place.
 """
@@ -35,7 +37,9 @@ What differs from LLaVA (:mod:`.llava`):
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +61,7 @@ from vllm.multimodal.processing import (
     PromptUpdateDetails,
     TimingContext,
 )
+from vllm.multimodal.processing.processor import PlaceholderFeaturesInfo
 
 from rbln_ray.families.contract import VisionCode
 from rbln_ray.families.vision_base import (
@@ -65,15 +70,67 @@ from rbln_ray.families.vision_base import (
     one_image,
     tiny_text_config,
 )
+from rbln_ray.upstream.vllm_internals import AfterTokenInsertion
 
 PLACEHOLDER = "<start_of_image>"  # what one image is in a prompt (and in the chat template)
 END_OF_IMAGE, IMAGE_TOKEN = "<end_of_image>", "<image_soft_token>"
 SPECIAL_TOKENS = [PLACEHOLDER, END_OF_IMAGE, IMAGE_TOKEN]
 # The tokenizer's named tokens Gemma3Processor looks up (tokenizer.boi_token, ...).
 NAMED_TOKENS = {"boi_token": PLACEHOLDER, "eoi_token": END_OF_IMAGE, "image_token": IMAGE_TOKEN}
+# Gemma's tokenizer has a token for each run of newlines ("\n" up to 31 of them); the tiny
+# tokenizer gets the first few, which the prompts around an image need.
+TINY_NEWLINE_TOKENS = ["\n" * n for n in range(1, 5)]
 # Tokens per image of the tiny model: optimum-rbln needs the prefill chunk to equal it and be a
 # multiple of 64; one token per patch of an 8 x 8 grid.
 TOKENS_PER_IMAGE = 64
+
+
+def newline_tokens(vocab: Mapping[str, int]) -> dict[int, int]:
+    """Token id -> newlines, for a vocabulary's tokens that are runs of newlines only."""
+    return {i: len(t) for t, i in vocab.items() if t and t.strip("\n") == ""}
+
+
+def merge_newlines(
+    ids: list[int],
+    touched: set[int],
+    newlines: Mapping[int, int],
+    encode: Callable[[str], list[int]],
+) -> tuple[list[int], list[int]]:
+    """``ids`` with every run of newline tokens that includes a position of ``touched`` (an
+    insertion's) encoded again as one text, as the tokenizer encodes the prompt's text with
+    the insertion in it; and, per old position, the new position of the token holding its
+    first character. A run the tokenizer would not spell with newline tokens only is kept."""
+    out: list[int] = []
+    where: list[int] = []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and ids[j] in newlines:
+            j += 1
+        run = ids[i:j]
+        merged = encode("\n" * sum(newlines[t] for t in run)) if len(run) > 1 else run
+        if (
+            j == i
+            or not touched.intersection(range(i, j))
+            or merged == run
+            or not all(t in newlines for t in merged)
+        ):
+            where.append(len(out))
+            out.append(ids[i])
+            i += 1
+            continue
+        ends = []  # the character offset each merged token ends at, within the run
+        for t in merged:
+            ends.append((ends[-1] if ends else 0) + newlines[t])
+        offset = 0
+        for (
+            t
+        ) in run:  # each old token's first character lies in the first merged token ending past it
+            where.append(len(out) + next(k for k, end in enumerate(ends) if end > offset))
+            offset += newlines[t]
+        out.extend(merged)
+        i = j
+    return out, where
 
 
 # ----------------------------------------------------------------------------- vLLM
@@ -120,7 +177,7 @@ class Gemma3DummyInputs(BaseDummyInputsBuilder[Gemma3ProcessingInfo]):
         return {"image": images}
 
 
-class Gemma3MultiModalProcessor(BaseMultiModalProcessor[Gemma3ProcessingInfo]):
+class Gemma3MultiModalProcessor(AfterTokenInsertion, BaseMultiModalProcessor[Gemma3ProcessingInfo]):
     def _get_mm_fields_config(
         self, hf_inputs: BatchFeature, hf_processor_mm_kwargs: Mapping[str, object]
     ) -> Mapping[str, MultiModalFieldConfig]:
@@ -147,6 +204,39 @@ class Gemma3MultiModalProcessor(BaseMultiModalProcessor[Gemma3ProcessingInfo]):
                 modality="image", target=[config.boi_token_index], replacement=replacement
             )
         ]
+
+    @cached_property
+    def _newline_tokens(self) -> dict[int, int]:
+        """The tokenizer's newline tokens, looked up once (Gemma's vocabulary has 262,144)."""
+        return newline_tokens(self.info.get_tokenizer().get_vocab())
+
+    def after_insertion(
+        self, ids: list[int], placeholders: Mapping[str, list[PlaceholderFeaturesInfo]]
+    ) -> tuple[list[int], Mapping[str, list[PlaceholderFeaturesInfo]]]:
+        """The newlines around each inserted image merged as the tokenizer merges them (module
+        docstring); the placeholders follow their tokens."""
+        tokenizer = self.info.get_tokenizer()
+        newlines = self._newline_tokens
+        touched = {
+            p.start_idx + k for ps in placeholders.values() for p in ps for k in range(p.length)
+        }
+        if not newlines or not touched:
+            return ids, placeholders
+        merged, where = merge_newlines(
+            ids, touched, newlines, lambda text: tokenizer.encode(text, add_special_tokens=False)
+        )
+        image_token = self.info.get_hf_config().image_token_index
+        placed: dict[str, list[PlaceholderFeaturesInfo]] = {}
+        for modality, items in placeholders.items():
+            placed[modality] = []
+            for p in items:
+                start, end = where[p.start_idx], where[p.start_idx + p.length - 1] + 1
+                tokens = merged[start:end]
+                is_embed = torch.tensor(tokens) == image_token
+                placed[modality].append(
+                    replace(p, start_idx=start, tokens=tokens, is_embed=is_embed)
+                )
+        return merged, placed
 
     def apply(self, inputs: ProcessorInputs, timing_ctx: TimingContext) -> MultiModalInput:
         processed = super().apply(inputs, timing_ctx)
@@ -223,7 +313,11 @@ class Gemma3VL(VisionCode):
         patch grid (the image is sized for it), the projector (RMS norm, average pool to
         ``TOKENS_PER_IMAGE``, linear), a Gemma3 LM with alternating sliding and global layers."""
         import transformers
+        from tokenizers import AddedToken
 
+        tokenizer.add_tokens(
+            [AddedToken(t, normalized=False, special=False) for t in TINY_NEWLINE_TOKENS]
+        )
         side = 8 * spec.patch_size
         init = spec.language.initializer_range
         ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in NAMED_TOKENS.items()}

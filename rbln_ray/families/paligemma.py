@@ -128,7 +128,6 @@ class PaliGemma(VisionCode):
     SPECIAL_TOKENS = SPECIAL_TOKENS
     GENERATION_PROMPT = GENERATION_PROMPT
     Embedder = Embedder
-    TINY_RECIPE = 1  # 1: num_image_tokens on text_config only, as transformers 5 saves it
 
     def language_rbln_config(self, hf_dir: str | Path, language: dict[str, Any]) -> dict:
         """The prefix-LM prefill's compile settings: an attention mask (optimum compiles

@@ -235,6 +235,9 @@ class VisionFamily(Family):
     # the host by optimum-rbln's model class (``_get_position_embeddings``: an internal the
     # contract test checks for exactly these families' classes).
     mrope: bool = False
+    # The tiny model's cache-key history: bumped when the family's ``tiny_model`` recipe
+    # changes after its models were cached (joins the cache key), so they are built again.
+    tiny_revision: int = 0
 
     @property
     def tiny_language_family(self) -> str:
@@ -692,6 +695,7 @@ _FAMILIES: tuple[Family, ...] = (
         images_at_start=True,
         prefix_caching=False,
         chunked_prefill=False,
+        tiny_revision=1,  # 1: num_image_tokens on text_config only, as transformers 5 saves it
         notes="prefix-LM: the whole prompt attends bidirectionally, so it is prefilled in one "
         "call from position 0 (no chunked prefill, no prefix caching); one image per prompt, "
         "before the text",
@@ -709,6 +713,7 @@ _FAMILIES: tuple[Family, ...] = (
         language_family="gemma3",
         prefix_caching=False,
         chunked_prefill=False,
+        tiny_revision=1,  # 1: Gemma's newline tokens (gemma3_vl.TINY_NEWLINE_TOKENS)
         notes="a prompt is prefilled in one call from position 0 (optimum-rbln's Gemma3 "
         "prefill masks from the call's start and routes image tokens to a bidirectional "
         "graph), so no chunked prefill; no prefix caching (that, and sliding-window layers); "

@@ -92,9 +92,8 @@ class TinyVisionLanguageSpec:
         # Fields added after a family's first models were built are left out while unset, so
         # those models keep their cached directories (and compiles).
         fields = {k: v for k, v in asdict(self).items() if v is not None}
-        recipe = VISION[self.family].code().TINY_RECIPE  # 0 for a family's first recipe
-        if recipe:
-            fields["recipe"] = recipe
+        if VISION[self.family].tiny_revision:  # its recipe changed after models were cached
+            fields["recipe"] = VISION[self.family].tiny_revision
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 

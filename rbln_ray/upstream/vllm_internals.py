@@ -82,7 +82,16 @@ REJECTION_KERNELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
 }
 
+PROCESSOR = "vllm.multimodal.processing.processor"
 REQUIREMENTS: tuple[Requirement, ...] = (
+    Requirement(
+        f"{PROCESSOR}:BaseMultiModalProcessor._apply_token_matches_with_placeholders",
+        "rbln_ray/families/gemma3_vl.py (AfterTokenInsertion)",
+        params=("token_ids", "mm_prompt_updates"),
+    ),
+    Requirement(
+        f"{PROCESSOR}:PlaceholderFeaturesInfo.length", "rbln_ray/families/gemma3_vl.py", "attribute"
+    ),  # fmt: skip
     Requirement(f"{SCHEDULER}.schedule", SCHED_PY, params=("throttle_prefills",)),
     Requirement(f"{SCHEDULER}.running", f"{SCHED_PY} (scheduler_view)", "instance attribute"),
     Requirement(
@@ -435,3 +444,23 @@ def finished_request_times(iteration_stats: Any) -> list[tuple[int, float, float
         )
         for r in iteration_stats.finished_requests
     ]
+
+
+class AfterTokenInsertion:
+    """Mixin for a vLLM multimodal processor (listed before ``BaseMultiModalProcessor``):
+    :meth:`after_insertion` sees the prompt ids right after vLLM inserted each item's tokens,
+    with the placeholders found in them, and may rewrite both. vLLM 0.30 has no public hook
+    there; its own Gemma3 processor overrides the same private method."""
+
+    def _apply_token_matches_with_placeholders(
+        self, token_ids: list[int], mm_prompt_updates: Any
+    ) -> tuple[list[int], Any, Any]:
+        ids, result, found = super()._apply_token_matches_with_placeholders(  # type: ignore[misc]
+            token_ids, mm_prompt_updates
+        )
+        ids, found = self.after_insertion(ids, found)
+        return ids, result, found
+
+    def after_insertion(self, ids: list[int], placeholders: Any) -> tuple[list[int], Any]:
+        """The prompt ids and placeholders to go on with (as they are, here)."""
+        return ids, placeholders

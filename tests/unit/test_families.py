@@ -485,3 +485,29 @@ def test_paligemma_tokens_per_image_are_read_wherever_the_checkpoint_keeps_them(
         num_image_tokens({"vision_config": tower, "text_config": {"num_image_tokens": 255}})
     with pytest.raises(ValueError, match="vision_config has no patch_size"):
         num_image_tokens({"vision_config": {"image_size": 224}})
+
+
+def test_gemma3_merges_the_newlines_an_image_insertion_touches_as_the_tokenizer_does() -> None:
+    """vLLM inserts an image's ``"\\n\\n<start_of_image>…<end_of_image>\\n\\n"`` as token ids;
+    transformers tokenizes the text with it inside, where Gemma's multi-newline tokens swallow
+    the newlines on either side (issue 47): runs an insertion touches merge, others stay, and
+    each old position maps to the token holding its first character."""
+    from rbln_ray.families.gemma3_vl import merge_newlines, newline_tokens
+
+    n = {k: 100 + k for k in range(1, 5)}  # "\n" * k -> 100 + k; at most 4 per token
+    newlines = newline_tokens({"\n" * k: i for k, i in n.items()} | {"a": 1, "x\n": 2})
+    assert newlines == {i: k for k, i in n.items()}
+
+    def encode(text: str) -> list[int]:  # leftmost-longest, as added tokens split text
+        return [n[min(4, len(text) - i)] for i in range(0, len(text), 4)]
+
+    # <|user|>"\n" + ["\n\n", boi, img, eoi, "\n\n"] + "\n": both sides merge into "\n\n\n"
+    ids = [7, n[1], n[2], 50, 60, 51, n[2], n[1], 9]
+    merged, where = merge_newlines(ids, set(range(2, 7)), newlines, encode)
+    assert merged == [7, n[3], 50, 60, 51, n[3], 9]
+    assert where == [0, 1, 1, 2, 3, 4, 5, 5, 6]
+    # a run no insertion touches stays as it is
+    assert merge_newlines(ids, {3}, newlines, encode) == (ids, list(range(len(ids))))
+    # five newlines take two tokens: the inserted "\n\n" starts inside the first
+    merged, where = merge_newlines([n[3], n[2], 50], {1, 2}, newlines, encode)
+    assert merged == [n[4], n[1], 50] and where == [0, 0, 2]
