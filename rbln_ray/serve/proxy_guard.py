@@ -233,9 +233,9 @@ def proxy_middlewares() -> list[Any]:
 def proxy_env(limits: Any, api_key: str | None = None) -> dict[str, str]:
     """The environment a Ray instance's nodes need for this guard (proxies read it when they
     start): the callback, the app's ``limits`` (a ``RequestLimits``), and the API key's
-    digest when the app has one."""
+    digest, empty when the app has none (every variable is set, so an environment updated
+    for one app keeps nothing of an app started before it from the same process)."""
     env = {CALLBACK_ENV: CALLBACK}
     env.update({name: str(getattr(limits, f)) for f, name in LIMIT_ENV.items()})
-    if api_key:
-        env[KEY_DIGEST_ENV] = key_digest(api_key)
+    env[KEY_DIGEST_ENV] = key_digest(api_key) if api_key else ""
     return env

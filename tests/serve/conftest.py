@@ -28,6 +28,10 @@ LORA_ADAPTERS = {
 }
 
 
+# What start_app changed in this process's environment, and the values stop_app puts back.
+_saved_env: dict[str, str | None] = {}
+
+
 @dataclass
 class RunningApp:
     url: str
@@ -49,20 +53,31 @@ def start_app(config: dict, port: int, model_dir: Path, devices: int = 4) -> Run
     from rbln_ray.serve.proxy_guard import proxy_env
 
     app_config = load_config(config)
-    # as `rbln-ray serve` does: the proxy caps request bodies (read when the proxy starts)
-    os.environ.update(proxy_env(app_config.limits, app_config.resolved_api_key()))
-    os.environ["RBLN_RAY_DEVICE"] = "emulated"
-    os.environ["RBLN_RAY_EMULATED_DEVICES"] = str(devices)  # the raylet's workers inherit it
-    ray.init(
-        address="local",
-        # a replica's placement group takes 2 CPUs (the replica, its worker); logical only
-        num_cpus=max(8, 2 * devices),
-        resources={"RBLN": devices},
-        log_to_driver=False,
-        _system_config=FAST_EXPORT,
-    )
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(app_config), name=APP_NAME, route_prefix="/")
+    env = {
+        # as `rbln-ray serve` does: the proxy caps request bodies (read when the proxy starts)
+        **proxy_env(app_config.limits, app_config.resolved_api_key()),
+        "RBLN_RAY_DEVICE": "emulated",
+        "RBLN_RAY_EMULATED_DEVICES": str(devices),  # the raylet's workers inherit it
+    }
+    # restored by stop_app: the next app this process starts (an xdist worker runs several
+    # modules) must not inherit this one's API key or limits
+    for name in env:
+        _saved_env.setdefault(name, os.environ.get(name))
+    os.environ.update(env)
+    try:
+        ray.init(
+            address="local",
+            # a replica's placement group takes 2 CPUs (the replica, its worker); logical only
+            num_cpus=max(8, 2 * devices),
+            resources={"RBLN": devices},
+            log_to_driver=False,
+            _system_config=FAST_EXPORT,
+        )
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(app_config), name=APP_NAME, route_prefix="/")
+    except BaseException:
+        stop_app()  # the caller's teardown never runs for an app that did not start
+        raise
     return RunningApp(
         url=f"http://127.0.0.1:{port}",
         api_key=app_config.api_key,
@@ -77,7 +92,12 @@ def stop_app() -> None:
 
     serve.shutdown()
     ray.shutdown()
-    os.environ.pop("RBLN_RAY_EMULATED_DEVICES", None)
+    for name, value in _saved_env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _saved_env.clear()
 
 
 @pytest.fixture(scope="module")

@@ -192,3 +192,7 @@ def test_the_environment_carries_the_apps_limits_and_key_digest() -> None:
     default = guard_settings({})
     assert default["max_request_bytes"] == RequestLimits().max_request_bytes
     assert default["api_key_sha256"] is None
+    # a process that starts an app without a key after one with a key (a test worker, a
+    # benchmark): its proxies must not ask for the first app's key
+    env.update(proxy_env(RequestLimits()))
+    assert guard_settings(env)["api_key_sha256"] is None
