@@ -123,9 +123,7 @@ def merge_newlines(
         for t in merged:
             ends.append((ends[-1] if ends else 0) + newlines[t])
         offset = 0
-        for (
-            t
-        ) in run:  # each old token's first character lies in the first merged token ending past it
+        for t in run:  # its first character lies in the first merged token that ends past it
             where.append(len(out) + next(k for k, end in enumerate(ends) if end > offset))
             offset += newlines[t]
         out.extend(merged)
