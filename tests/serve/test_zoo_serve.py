@@ -276,7 +276,7 @@ def _bad_uploads() -> list[tuple[str, str, tuple, int, str]]:
     short = wav_bytes(tone_clip(1.0, 440))
     return [
         ("text file", "whisper", ("a.wav", b"not audio\n" * 50), 400, "not audio"),
-        ("image", "whisper", ("a.png", png_bytes()), 400, "no audio stream"),
+        ("image", "whisper", ("a.png", png_bytes()), 400, "not audio in a format"),
         ("codec", "whisper", ("a.wav", wav_with_codec(0x1234)), 400, "codec"),
         ("too long", "whisper", ("a.wav", wav_bytes(tone_clip(50.0, 440))), 400, "max_audio"),
         ("too big", "whisper", ("a.wav", b"\0" * (MAX_BYTES + 1)), 413, "exceeds"),
