@@ -311,8 +311,15 @@ def loadable_dir(artifact_dir: Path) -> Path:
         adapter["lora_path"] = str(own)
     view = Path(tempfile.mkdtemp(prefix=f"rbln-ray-view-{artifact_dir.name}-"))
     for entry in artifact_dir.resolve().iterdir():
-        if entry.name != RBLN_CONFIG:
+        if entry.name == RBLN_CONFIG:
+            continue
+        if entry.is_dir():
             os.symlink(entry, view / entry.name)
+            continue
+        try:  # files by hard link: the runtime opens graphs without following symlinks
+            os.link(entry, view / entry.name)
+        except OSError:  # another filesystem
+            shutil.copy2(entry, view / entry.name)
     (view / RBLN_CONFIG).write_text(json.dumps(raw, indent=2))
     return view
 
