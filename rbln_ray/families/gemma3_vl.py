@@ -108,13 +108,10 @@ def merge_newlines(
         while j < len(ids) and ids[j] in newlines:
             j += 1
         run = ids[i:j]
-        merged = encode("\n" * sum(newlines[t] for t in run)) if len(run) > 1 else run
-        if (
-            j == i
-            or not touched.intersection(range(i, j))
-            or merged == run
-            or not all(t in newlines for t in merged)
-        ):
+        merged = run
+        if len(run) > 1 and touched.intersection(range(i, j)):  # encode only what may merge
+            merged = encode("\n" * sum(newlines[t] for t in run))
+        if merged == run or not all(t in newlines for t in merged):
             where.append(len(out))
             out.append(ids[i])
             i += 1
