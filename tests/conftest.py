@@ -44,7 +44,6 @@ UNIT_SECONDS = {
     # serves zoo, speech and pooling models)
     SEVEN_MODEL_APPS: 790,
     "tests/reliability": 580,
-    "tests/serve/test_vision_serve.py": 530,
     "tests/executor/test_ray_executor.py": 300,
     "tests/pipeline/test_pipeline.py": 230,
     "tests/serve/test_one_replica.py": 210,
@@ -75,6 +74,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.nodeid.startswith("tests/unit/"):
             item.add_marker(pytest.mark.fast)
     items.sort(key=lambda item: -UNIT_SECONDS.get(unit_of(item.nodeid), 0))
+
+
+UNIT_TOTALS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Sum each unit's setup, call and teardown times (on xdist's controller, which gets
+    every worker's reports), for :func:`pytest_terminal_summary`."""
+    unit = unit_of(report.nodeid)
+    UNIT_TOTALS[unit] = UNIT_TOTALS.get(unit, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: object) -> None:
+    """Seconds per unit of work over 45 s: what :data:`UNIT_SECONDS` is refreshed from."""
+    slow = sorted(((s, u) for u, s in UNIT_TOTALS.items() if s > 45), reverse=True)
+    if slow:
+        terminalreporter.write_sep("=", "seconds per unit of work (over 45 s)")
+        for seconds, unit in slow:
+            terminalreporter.write_line(f"{seconds:8.0f}  {unit}")
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:

@@ -243,6 +243,7 @@ def test_stalled_bodies_get_a_408_from_the_proxy(tiny_app: RunningApp) -> None:
         sock = socket.create_connection((host, int(port)), timeout=30 * BODY_DEADLINE_S)
         sock.sendall(head + b"{" + b" " * (64 * 1024 - 1))
         stalled.append(sock)
+
     def answer(sock: socket.socket) -> bytes:
         """Everything the server sends until it closes (it blocks until the server acts)."""
         got = b""

@@ -5,13 +5,19 @@ heavy. Input (argv[1], JSON): ``{"model": dir, "llm_kwargs": {...}, "requests": 
 str | "prompt_token_ids": [...], "params": {SamplingParams fields; structured_outputs as a
 dict}, "images": [tests.vision.image_spec, ...], "videos": [tests.vision.video_spec, ...],
 "lora": {"name", "id", "path"} (a LoRARequest), "cache_salt": str}],
-"passes": N (default 1: run the requests N times, one ``generate`` call each), "rpc":
+"passes": N (default 1: run the requests N times, one ``generate`` call each), "chats":
+[{"messages": OpenAI-style messages (images as ``data:`` URLs), "params": {...}}] (then one
+``LLM.chat`` call: vLLM's chat path, its template and placeholders, as its OpenAI server
+renders them), "refused_chat": {"messages", "params", "mm_processor_kwargs"} (one
+``LLM.chat`` call, before the chats, expected to be refused: its error is reported), "rpc":
 [method, ...], "metrics": [prefix, ...] (vLLM's metrics whose names start so, summed over
 labels; start the engine with ``"disable_log_stats": false``), "ray_local": {ray.init
 kwargs} (start a private local Ray instance for this run, e.g. with ``{"resources":
 {"RBLN": 1}}``, for ``distributed_executor_backend="ray"``; shut down after the run)}``.
 Output: one line ``RESULT {...}`` with per-request outputs (of the last pass; every pass in
-``passes``), the prompts' token ids as vLLM processed them, and the collective_rpc results.
+``passes``), the prompts' token ids as vLLM processed them, the chats' outputs and prompt
+token ids (``chats``), the refused chat's error (``refused_chat``: "" if it was served), and
+the collective_rpc results.
 
 ``argv[1]`` may also be ``@PATH``: the JSON is read from that file (a spec too long for a
 command line).
@@ -122,7 +128,38 @@ def run(llm, spec: dict) -> dict:
                 for o in outputs
             ]
         )
+    refusal = None
+    if "refused_chat" in spec:
+        asked = spec["refused_chat"]
+        try:
+            llm.chat(
+                asked["messages"],
+                SamplingParams(**asked.get("params", {})),
+                use_tqdm=False,
+                mm_processor_kwargs=asked["mm_processor_kwargs"],
+            )
+            refusal = ""
+        except Exception as exc:  # noqa: BLE001 - the refusal is what the test checks
+            refusal = f"{type(exc).__name__}: {exc}"
+    chats = spec.get("chats", [])
+    chatted = (
+        llm.chat(
+            [c["messages"] for c in chats],
+            [SamplingParams(**c.get("params", {})) for c in chats],
+            use_tqdm=False,
+        )
+        if chats
+        else []
+    )
     result = {
+        "chats": [
+            {
+                "prompt_token_ids": list(o.prompt_token_ids),
+                "token_ids": list(o.outputs[0].token_ids),
+            }
+            for o in chatted
+        ],
+        "refused_chat": refusal,
         "outputs": passes[-1],
         "prompt_token_ids": [list(o.prompt_token_ids or []) for o in outputs],
         "request_ids": [o.request_id for o in outputs],

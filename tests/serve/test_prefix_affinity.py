@@ -158,7 +158,8 @@ def test_template_bombs_are_refused_and_never_stall_the_app(affinity_app: Runnin
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(send, bombs))
     assert [r.status_code for r in answers] == [400] * 8, [r.text[:200] for r in answers]
-    assert all("chat_template" in r.json()["error"]["message"] for r in answers)
+    refusals = [r.json()["error"]["message"] for r in answers]  # vLLM's, not rendered
+    assert all("untrusted chat template" in m for m in refusals), refusals
     ordinary = send({"model": "demo", "messages": messages, "max_tokens": 4})
     assert ordinary.status_code == 200, ordinary.text
 

@@ -1,6 +1,6 @@
 """Vision-language models through ``vllm.LLM`` on RBLN, token-exact against transformers
-(acceptance 2 of the pooling/vision issue, the offline half; the HTTP half is in
-``tests/serve/test_vision_serve.py``).
+(acceptance 2 of the pooling/vision issue, the offline half; the HTTP half, for a
+fixed-size family and an any-size one, is in ``tests/serve/test_openai_app.py``).
 
 One engine per vision-language family of the registry (a tiny model of each, compiled batch
 4 on the emulator by the code path ``rbln-ray compile`` uses) runs every request at once:
@@ -36,6 +36,7 @@ from tests.helpers import SCRIPTS, run_python
 from tests.vision import (
     CAUSAL_TOKEN_TYPE,
     compiled_vlm,
+    hf_chat_prompt,
     hf_vlm_greedy,
     image_spec,
     make_image,
@@ -120,6 +121,48 @@ REQUESTS = {family: requests_of(family) for family in FAMILIES}
 CACHED = {family: cached_of(family) for family in FAMILIES}
 
 
+# A chat with a ``data:`` URL image and a text-only chat, through ``LLM.chat``: vLLM's chat
+# path (the family's template, its placeholders) as its OpenAI server renders it, for every
+# family; what only HTTP adds (the ingress's media policy, the 400) is the same for every
+# family and is checked for one of each kind in tests/serve/test_openai_app.py.
+CHAT_IMAGE = image_spec(7, 90, 60)
+CHAT_PARAMS = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+
+
+def chats() -> list[tuple[list[dict], list[dict]]]:
+    """(messages, image specs) of the chats each family's first engine answers."""
+    from tests.vision import data_url
+
+    with_image = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url(make_image(**CHAT_IMAGE))}},
+                {"type": "text", "text": "what is in the picture?"},
+            ],
+        }
+    ]
+    return [(with_image, [CHAT_IMAGE]), ([{"role": "user", "content": "no picture this time"}], [])]
+
+
+# An image of 32 x 32 patches of 14 pixels (16 x 16 of 16) when a request raises the pixel
+# budget to it: more than a tiny model's tower takes (256 patches). JPEG: only its size counts.
+LARGE, LARGE_BUDGET = (448, 448), {"min_pixels": 56 * 56, "max_pixels": 448 * 448}
+
+
+def too_large_chat() -> dict:
+    """A chat whose image, at the budget it raises, is larger than the compiled tower."""
+    from tests.vision import data_url
+
+    image = data_url(make_image(12, *LARGE), fmt="JPEG")
+    content = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "?"}]
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "params": {"max_tokens": 2},
+        "mm_processor_kwargs": LARGE_BUDGET,
+    }
+
+
 def engine_run(family: str, requests: list, **extra) -> dict:
     return {
         "model": str(compiled_vlm(family)),
@@ -138,20 +181,28 @@ def engine_run(family: str, requests: list, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, list[dict]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     """Every engine of this module in one subprocess (vLLM imported once): per family, the
-    requests' engine and the prefix-cache engine."""
+    requests' engine (which also answers :func:`chats`) and the prefix-cache engine."""
+    asked = [{"messages": m, "params": CHAT_PARAMS} for m, _ in chats()]
     spec = {
         "runs": [
             engine
             for family in FAMILIES
             for engine in (
-                engine_run(family, REQUESTS[family]),
+                engine_run(
+                    family,
+                    REQUESTS[family],
+                    chats=asked,
+                    **({"refused_chat": too_large_chat()} if any_size(family) else {}),
+                ),
                 engine_run(family, CACHED[family], passes=2),
             )
         ]
     }
-    result, _ = run_python([str(SCRIPTS / "rbln_llm_run.py"), json.dumps(spec)], timeout=900)
+    path = tmp_path_factory.mktemp("vision-spec") / "spec.json"  # data: URLs: a long spec
+    path.write_text(json.dumps(spec))
+    result, _ = run_python([str(SCRIPTS / "rbln_llm_run.py"), f"@{path}"], timeout=900)
     assert all("error" not in r for r in result["runs"]), result["runs"]
     return {family: result["runs"][2 * i : 2 * i + 2] for i, family in enumerate(FAMILIES)}
 
@@ -169,6 +220,43 @@ def test_greedy_with_images_matches_transformers(runs: dict, family: str) -> Non
         )
         assert run["prompt_token_ids"][i] == want_prompt, i
         assert run["outputs"][i][0]["token_ids"] == want, i
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_with_a_data_url_image_equals_transformers(runs: dict, family: str) -> None:
+    """``LLM.chat`` with an image as a ``data:`` URL, and without one: the prompt the HF
+    processor's chat template renders, and transformers' greedy tokens on it."""
+    hf_dir = build_tiny_vlm(family=family)
+    got = runs[family][0]["chats"]
+    for answer, (messages, images) in zip(got, chats(), strict=True):
+        prompt = hf_chat_prompt(hf_dir, messages)
+        want_prompt, want = hf_vlm_greedy(
+            hf_dir, prompt, [make_image(**s) for s in images], MAX_TOKENS
+        )
+        assert answer["prompt_token_ids"] == want_prompt
+        assert answer["token_ids"] == want
+    assert got[0]["token_ids"] != got[1]["token_ids"]  # the image changed it
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if any_size(f)])
+def test_an_image_beyond_the_compiled_tower_is_refused_naming_both_sizes(
+    runs: dict, family: str
+) -> None:
+    """A chat raising the pixel budget (``mm_processor_kwargs``) past what the compiled
+    vision tower takes is refused with the image's patches (as the HF processor makes them)
+    and the tower's length (``rbln_config.json``); the engine then answers the chats of
+    :func:`test_chat_with_a_data_url_image_equals_transformers`. Over HTTP this is a 400
+    (tests/serve/test_openai_app.py)."""
+    from rbln_ray.compile.vision import load_hf_processor
+
+    message = runs[family][0]["refused_chat"]
+    processor = load_hf_processor(compiled_vlm(family))
+    grid = processor.image_processor(images=[make_image(12, *LARGE)], **LARGE_BUDGET)
+    patches = int(grid["image_grid_thw"][0].prod())
+    compiled = json.loads((compiled_vlm(family) / "rbln_config.json").read_text())
+    tower = compiled["visual"]["max_seq_len"]
+    tower = max(tower) if isinstance(tower, list) else tower
+    assert f"{patches} patches" in message and f"{tower} patches" in message, message
 
 
 @pytest.mark.parametrize("family", FAMILIES)
