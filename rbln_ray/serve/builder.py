@@ -161,10 +161,7 @@ def build_server(
         options["request_router_config"] = RequestRouterConfig(
             request_router_class="rbln_ray.serve.routing.ResponseAffinityRouter"
         )
-    if cfg.autoscaling_config is not None:
-        options["autoscaling_config"] = cfg.autoscaling_config
-    else:
-        options["num_replicas"] = cfg.num_replicas
+    options.update(replica_options(cfg))
     limits_dump = (limits or RequestLimits()).model_dump()
     kv_events = {"kv_events": True} if routing == "cache_aware" else {}  # replicas report caches
     return (
@@ -174,11 +171,18 @@ def build_server(
     )
 
 
+def replica_options(cfg: IngressConfig | ModelDeploymentConfig) -> dict[str, Any]:
+    """A deployment's replica count for Serve: fixed, or its ``autoscaling_config``."""
+    if cfg.autoscaling_config is not None:
+        return {"autoscaling_config": cfg.autoscaling_config}
+    return {"num_replicas": cfg.num_replicas}
+
+
 def ingress_options(cfg: IngressConfig) -> dict[str, Any]:
     """Serve options of the ingress deployment (:class:`IngressConfig` says why each)."""
     return {
         "name": INGRESS_NAME,
-        "num_replicas": cfg.num_replicas,
+        **replica_options(cfg),
         "max_ongoing_requests": cfg.max_ongoing_requests,
         "max_queued_requests": cfg.max_queued_requests,
         "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,

@@ -8,6 +8,8 @@ Example (YAML)::
     api_key: null            # or a string; `api_key_env` names an env var instead
     routing: load_aware      # or prefix_affinity, cache_aware
     ingress: {num_replicas: 1, max_ongoing_requests: 4096, graceful_shutdown_timeout_s: 600}
+    # or ingress: {autoscaling_config: {min_replicas: 1, max_replicas: 8,
+    #                                   target_ongoing_requests: 512}}
     models:
       - name: demo
         model: demo          # "demo", a compiled optimum-rbln dir, or an HF dir
@@ -86,6 +88,31 @@ class RequestLimits(_Strict):
     max_audio_seconds: int = Field(default=600, ge=1)
 
 
+def replica_count(
+    num_replicas: int | None, autoscaling: dict[str, Any] | None, what: str
+) -> int | None:
+    """A deployment's fixed replica count (None when it autoscales): Serve takes a count or
+    an ``autoscaling_config``, not both; neither is one replica. The autoscaling config is
+    checked by Serve's own model here, so a wrong key fails at load, naming the deployment."""
+    if num_replicas is not None and autoscaling is not None:
+        raise ValueError(f"{what}: set either num_replicas or autoscaling_config, not both")
+    if autoscaling is None:
+        return num_replicas or 1
+    from ray.serve.config import AutoscalingConfig
+
+    unknown = sorted(set(autoscaling) - set(AutoscalingConfig.model_fields))
+    if unknown:  # Serve ignores them: a misspelt key would silently not apply
+        known = ", ".join(sorted(AutoscalingConfig.model_fields))
+        raise ValueError(
+            f"{what}: autoscaling_config has no {', '.join(unknown)} (Serve's: {known})"
+        )
+    try:
+        AutoscalingConfig(**autoscaling)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what}: autoscaling_config: {exc}") from exc
+    return None
+
+
 class IngressConfig(_Strict):
     """The HTTP ingress deployment (validation, routing by ``model``, SSE relay).
 
@@ -101,9 +128,16 @@ class IngressConfig(_Strict):
     replica that is starting, and a killed ingress answers all of them 500. Serve's default
     (20 s) is shorter than one busy generation, so this is long: the ingress holds no device,
     and its successor starts beside it.
+
+    ``autoscaling_config`` (instead of ``num_replicas``): Serve's own, as for a model. An
+    ingress replica's load is the streams it relays, so its target is in the hundreds
+    (``target_ongoing_requests``; ``rbln-ray plan --simulate`` says how many replicas a fleet
+    needs). Several ingress replicas route consistently: each router counts what every
+    replica reports it holds (:mod:`rbln_ray.serve.cache_routing`).
     """
 
-    num_replicas: int = Field(default=1, ge=1)
+    num_replicas: int | None = Field(default=None, ge=1)
+    autoscaling_config: dict[str, Any] | None = None
     max_ongoing_requests: int = Field(default=4096, ge=1)
     # Requests waiting for an ingress replica beyond this are refused (Serve's proxy: 503)
     # instead of queueing without bound in front of the app.
@@ -113,6 +147,11 @@ class IngressConfig(_Strict):
     # unhealthy (/health 503, Serve's health check fails) and Serve replaces it
     # (rbln_ray.serve.ingress_work).
     unhealthy_after_stall_s: float = Field(default=20.0, gt=0)
+
+    @model_validator(mode="after")
+    def _replicas(self) -> IngressConfig:
+        self.num_replicas = replica_count(self.num_replicas, self.autoscaling_config, "ingress")
+        return self
 
 
 # ModelDeploymentConfig fields that are `vllm serve` options of the same name.
@@ -167,10 +206,8 @@ class ModelDeploymentConfig(PlacementSettings):
 
     @model_validator(mode="after")
     def _replicas(self) -> ModelDeploymentConfig:
-        if self.num_replicas is not None and self.autoscaling_config is not None:
-            raise ValueError("set either num_replicas or autoscaling_config, not both")
-        if self.num_replicas is None and self.autoscaling_config is None:
-            self.num_replicas = 1
+        what = f"model {self.name}"
+        self.num_replicas = replica_count(self.num_replicas, self.autoscaling_config, what)
         return self
 
     @model_validator(mode="after")

@@ -34,7 +34,11 @@ def affinity_app() -> Iterator[RunningApp]:
     config = {
         "routing": "cache_aware",
         "models": [{"name": "demo", "model": str(compiled), "num_replicas": 2}],
-    }
+        # Serve accepts an autoscaling ingress in front of cache-aware routing (one replica
+        # here: scaling it is Serve's own, and routers agree through the replicas' reports)
+        "ingress": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2,
+                                           "target_ongoing_requests": 512}},
+    }  # fmt: skip
     app = start_app(config, free_port(), hf_dir)
     try:
         yield app

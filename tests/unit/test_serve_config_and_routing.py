@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from pydantic import ValidationError
 
@@ -72,6 +74,36 @@ def test_ingress_outlasts_a_generation_when_replaced(tmp_path) -> None:
     assert ingress_options(custom.ingress)["graceful_shutdown_timeout_s"] == 90
     with pytest.raises(ValidationError):
         load_config({"models": model, "ingress": {"graceful_shutdown_timeout_s": 0}})
+
+
+def test_ingress_and_models_take_a_count_or_serves_autoscaling() -> None:
+    """The ingress autoscales as a model does (Serve's own ``autoscaling_config``); a count
+    and a config together, a key Serve does not know (Serve would ignore it) or values Serve
+    refuses fail at load, naming the deployment."""
+    from rbln_ray.serve.builder import ingress_options
+
+    model = [{"name": "demo", "model": "demo"}]
+    auto = {"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 512}
+    options = ingress_options(
+        load_config({"models": model, "ingress": {"autoscaling_config": auto}}).ingress
+    )
+    assert options["autoscaling_config"] == auto and "num_replicas" not in options
+    assert ingress_options(load_config({"models": model}).ingress)["num_replicas"] == 1
+    wrong = {
+        "ingress: set either": {"ingress": {"num_replicas": 2, "autoscaling_config": auto}},
+        "ingress: autoscaling_config has no max_replica ": {
+            "ingress": {"autoscaling_config": {"max_replica": 2}}
+        },
+        "ingress: autoscaling_config: ": {
+            "ingress": {"autoscaling_config": {"min_replicas": 3, "max_replicas": 2}}
+        },
+        "model demo: autoscaling_config has no max_replica ": {
+            "models": [{**model[0], "autoscaling_config": {"max_replica": 2}}]
+        },
+    }
+    for message, doc in wrong.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_config({"models": model, **doc})
 
 
 def test_calls_about_a_stored_response_are_pinned_to_its_replica() -> None:
