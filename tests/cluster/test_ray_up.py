@@ -235,9 +235,10 @@ def test_workers_without_rbln_fail_serve_deploy_within_placement_timeout(hosts: 
     assert "cluster has 0 RBLN in total" in message, message
     for ip in hosts.ips:
         assert f"({ip}): 0 RBLN" in message, message
-    # The failure is final at the first build attempt (a RayServeException, which Serve does
-    # not retry): the configured wait plus that attempt's start-up (a fresh worker importing
-    # the app's builder, vLLM included: 10-20 s on 2 cores) and `serve status` polling.
-    assert timeout_s <= waited <= timeout_s + 45, waited
+    # Not before the configured wait; how long after it depends on the host's load (the
+    # attempt's fresh worker imports the app's builder, vLLM included: 10-20 s on a quiet
+    # 2-core host, 46 s in a full suite beside another unit), and wait_app's deadline above
+    # (timeout_s + 120) bounds it.
+    assert waited >= timeout_s, waited
     assert left == {}, left
     print(f"timings {cluster.timings}")

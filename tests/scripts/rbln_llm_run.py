@@ -17,7 +17,7 @@ kwargs} (start a private local Ray instance for this run, e.g. with ``{"resource
 Output: one line ``RESULT {...}`` with per-request outputs (of the last pass; every pass in
 ``passes``), the prompts' token ids as vLLM processed them, the chats' outputs and prompt
 token ids (``chats``), the refused chat's error (``refused_chat``: "" if it was served), and
-the collective_rpc results.
+the collective_rpc results (taken after the generate passes, before the chats).
 
 ``argv[1]`` may also be ``@PATH``: the JSON is read from that file (a spec too long for a
 command line).
@@ -128,6 +128,8 @@ def run(llm, spec: dict) -> dict:
                 for o in outputs
             ]
         )
+    # the engine's state after the generate passes (step counters), before any chat
+    rpc = {m: llm.collective_rpc(m) for m in spec.get("rpc", [])}
     refusal = None
     if "refused_chat" in spec:
         asked = spec["refused_chat"]
@@ -164,7 +166,7 @@ def run(llm, spec: dict) -> dict:
         "prompt_token_ids": [list(o.prompt_token_ids or []) for o in outputs],
         "request_ids": [o.request_id for o in outputs],
         "passes": passes,
-        "rpc": {m: llm.collective_rpc(m) for m in spec.get("rpc", [])},
+        "rpc": rpc,
         "metrics": metrics(llm, spec.get("metrics", [])),
         "config": {
             "max_num_seqs": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
