@@ -32,32 +32,33 @@ SERIAL_GROUPS = {
     "tests/serve/test_zoo_serve.py": SEVEN_MODEL_APPS,
 }
 
-# Seconds each unit of work took in an earlier `make test` on this 2-core machine (2 workers;
-# README, "Tests": the fresh-clone run of 92e9781, less the demo model's training that
-# test_openai_app paid then and `make setup` does now), for units over 45 s; only the order
-# depends on them. xdist hands units out longest first, so a long one never starts last while
-# the other worker idles (xdist's default order is most tests first); units not listed follow
-# in file order.
+# Seconds each unit of work took in an earlier `make test` on this 2-core machine (2 workers,
+# a fresh clone with an empty compile cache, as CI runs it: f4b2d28, whose run prints this
+# table at its end, "seconds per unit of work"), for units over 45 s; only the order depends
+# on them. xdist hands units out longest first, so a long one never starts last while the
+# other worker idles (xdist's default order is most tests first); units not listed follow in
+# file order.
 UNIT_SECONDS = {
-    MULTINODE: 1130,
-    # its two files' times in that run, when they were units of their own (the zoo app
-    # serves zoo, speech and pooling models)
-    SEVEN_MODEL_APPS: 790,
-    "tests/reliability": 580,
-    "tests/executor/test_ray_executor.py": 300,
-    "tests/pipeline/test_pipeline.py": 230,
-    "tests/serve/test_one_replica.py": 210,
-    "tests/serve/test_cli_serve.py": 200,
-    "tests/serve/test_prefix_affinity.py": 145,
-    "tests/vllm_plugin/test_spec_decode.py": 130,
-    "tests/vllm_plugin/test_zoo_greedy.py": 125,
-    "tests/vllm_plugin/test_vision_language.py": 100,
-    "tests/vllm_plugin/test_prefix_caching.py": 90,
-    "tests/vllm_plugin/test_llm_greedy.py": 70,
-    "tests/vllm_plugin/test_embeddings.py": 55,
-    "tests/test_foundation.py": 55,
-    "tests/emulator/test_optimum_e2e.py": 50,
-    "tests/vllm_plugin/test_vllm_serve.py": 50,
+    MULTINODE: 2554,
+    SEVEN_MODEL_APPS: 1359,
+    "tests/reliability": 884,
+    "tests/pipeline/test_pipeline.py": 446,
+    "tests/executor/test_ray_executor.py": 423,
+    "tests/serve/test_prefix_affinity.py": 377,
+    "tests/serve/test_cli_serve.py": 328,
+    "tests/serve/test_one_replica.py": 223,
+    "tests/vllm_plugin/test_spec_decode.py": 199,
+    "tests/vllm_plugin/test_vision_language.py": 177,
+    "tests/vllm_plugin/test_prefix_caching.py": 175,
+    "tests/vllm_plugin/test_zoo_greedy.py": 167,
+    "tests/vllm_plugin/test_llm_greedy.py": 139,
+    "tests/emulator/test_optimum_e2e.py": 102,
+    "tests/test_foundation.py": 102,
+    "tests/vllm_plugin/test_vllm_serve.py": 95,
+    "tests/peer/test_vllm_rbln.py": 80,
+    "tests/vllm_plugin/test_embeddings.py": 79,
+    "tests/vllm_plugin/test_lora_quant_llm.py": 52,
+    "tests/vllm_plugin/test_host_kv_tier.py": 47,
 }
 
 
