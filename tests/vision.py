@@ -48,6 +48,25 @@ def data_url(image, fmt: str = "PNG") -> str:
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def image_chat(image, question: str, fmt: str = "PNG") -> list[dict]:
+    """OpenAI-style messages: one user turn, ``image`` as a ``data:`` URL, then ``question``
+    (what the Serve app's clients send, and ``LLM.chat`` takes)."""
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url(image, fmt)}},
+                {"type": "text", "text": question},
+            ],
+        }
+    ]
+
+
+# An image of 32 x 32 patches of 14 pixels (16 x 16 of 16) when a request raises the pixel
+# budget to it: more than a tiny any-size model's tower takes (256 patches).
+LARGE, LARGE_BUDGET = (448, 448), {"min_pixels": 56 * 56, "max_pixels": 448 * 448}
+
+
 # Families compiled otherwise: Qwen3.5 compiles flash attention only, whose partitions on
 # ATOM are at least 1024 tokens, two per sequence (rbln_ray.families.qwen3_5).
 COMPILE: dict[str, dict] = {

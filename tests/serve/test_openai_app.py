@@ -11,6 +11,7 @@ import pytest
 
 from tests.helpers import hf_greedy, hf_greedy_merged, run_python
 from tests.serve.conftest import API_KEY, LORA_ADAPTERS, RunningApp
+from tests.vision import image_chat
 
 pytestmark = pytest.mark.slow
 
@@ -445,20 +446,6 @@ def test_bad_pooling_input_gets_openai_style_4xx(
     assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 128
 
 
-def _vision_messages(image, question: str) -> list[dict]:
-    from tests.vision import data_url
-
-    return [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image_url", "image_url": {"url": data_url(image)}},
-                {"type": "text", "text": question},
-            ],
-        }
-    ]
-
-
 def test_chat_embeddings_and_vision_served_together(demo_app: RunningApp) -> None:
     """The mixed app: a vision-language chat with a data-URL image (and a text-only one) on
     the tiny LLaVA and on the tiny Qwen2-VL equals transformers' greedy output, while chat
@@ -472,11 +459,11 @@ def test_chat_embeddings_and_vision_served_together(demo_app: RunningApp) -> Non
     client = openai.OpenAI(base_url=f"{demo_app.url}/v1", api_key=API_KEY, max_retries=0)
     greedy = {"max_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True}}
     image = make_image(7, 90, 60)
-    with_image = _vision_messages(image, "what is in the picture?")
+    with_image = image_chat(image, "what is in the picture?")
     text_only = [{"role": "user", "content": "no picture this time"}]
     # Qwen2-VL: an image of its own size (resized to 84 x 140 pixels: 15 tokens)
     qwen_image = make_image(11, 150, 90)
-    qwen_with_image = _vision_messages(qwen_image, "and here?")
+    qwen_with_image = image_chat(qwen_image, "and here?")
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         vision = [
             pool.submit(client.chat.completions.create, model="vision", messages=m, **greedy)
@@ -556,7 +543,7 @@ def test_bad_image_input_gets_openai_style_4xx(
         f"{demo_app.url}/v1/chat/completions",
         json={
             "model": "vision",
-            "messages": _vision_messages(make_image(1), "ok?"),
+            "messages": image_chat(make_image(1), "ok?"),
             "max_tokens": 2,
         },
         headers=AUTH,
@@ -572,14 +559,14 @@ def test_an_image_beyond_the_compiled_vision_tower_is_a_400_naming_both_sizes(
     """Qwen2-VL's processor sizes an image within its pixel budget, which a request may raise
     (``mm_processor_kwargs``): an image of more patches than the compiled vision tower takes
     (256 here) is refused with both numbers, and the replica keeps serving."""
-    from tests.vision import make_image
+    from tests.vision import LARGE, LARGE_BUDGET, make_image
 
     url = f"{demo_app.url}/v1/chat/completions"
     body = {
         "model": "qwen-vl",
-        "messages": _vision_messages(make_image(12, 448, 448), "?"),
+        "messages": image_chat(make_image(12, *LARGE), "?"),
         "max_tokens": 2,
-        "mm_processor_kwargs": {"min_pixels": 56 * 56, "max_pixels": 448 * 448},
+        "mm_processor_kwargs": LARGE_BUDGET,
     }
     r = httpx.post(url, json=body, headers=AUTH, timeout=120)
     assert r.status_code == 400, r.text

@@ -35,9 +35,12 @@ from rbln_ray.models.vision import image_placeholder
 from tests.helpers import SCRIPTS, run_python
 from tests.vision import (
     CAUSAL_TOKEN_TYPE,
+    LARGE,
+    LARGE_BUDGET,
     compiled_vlm,
     hf_chat_prompt,
     hf_vlm_greedy,
+    image_chat,
     image_spec,
     make_image,
     make_video,
@@ -131,33 +134,15 @@ CHAT_PARAMS = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 def chats() -> list[tuple[list[dict], list[dict]]]:
     """(messages, image specs) of the chats each family's first engine answers."""
-    from tests.vision import data_url
-
-    with_image = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image_url", "image_url": {"url": data_url(make_image(**CHAT_IMAGE))}},
-                {"type": "text", "text": "what is in the picture?"},
-            ],
-        }
-    ]
+    with_image = image_chat(make_image(**CHAT_IMAGE), "what is in the picture?")
     return [(with_image, [CHAT_IMAGE]), ([{"role": "user", "content": "no picture this time"}], [])]
 
 
-# An image of 32 x 32 patches of 14 pixels (16 x 16 of 16) when a request raises the pixel
-# budget to it: more than a tiny model's tower takes (256 patches). JPEG: only its size counts.
-LARGE, LARGE_BUDGET = (448, 448), {"min_pixels": 56 * 56, "max_pixels": 448 * 448}
-
-
 def too_large_chat() -> dict:
-    """A chat whose image, at the budget it raises, is larger than the compiled tower."""
-    from tests.vision import data_url
-
-    image = data_url(make_image(12, *LARGE), fmt="JPEG")
-    content = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "?"}]
+    """A chat whose image, at the budget it raises, is larger than the compiled tower (JPEG:
+    only its size counts)."""
     return {
-        "messages": [{"role": "user", "content": content}],
+        "messages": image_chat(make_image(12, *LARGE), "?", fmt="JPEG"),
         "params": {"max_tokens": 2},
         "mm_processor_kwargs": LARGE_BUDGET,
     }
