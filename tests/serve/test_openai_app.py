@@ -716,7 +716,11 @@ def test_audio_to_text_models_is_refused_at_the_ingress(demo_app: RunningApp) ->
 
 
 def test_health_reflects_a_dead_replica(demo_app: RunningApp) -> None:
-    """Runs last in this module: it kills a replica, then waits for Serve to replace it."""
+    """Runs last in this module: it kills one of the two ``demo`` replicas.
+
+    /health turns 503 naming that deployment (and only it), and ``demo`` keeps answering
+    through the replica left. Waiting for Serve's replacement to come back up is Serve's
+    behaviour, not ours, and on a loaded host took over 300 s: not waited for."""
     import ray
     from ray import serve
 
@@ -724,14 +728,24 @@ def test_health_reflects_a_dead_replica(demo_app: RunningApp) -> None:
     victim = handle.engine_stats.remote().result()["actor_name"]
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
 
-    def health() -> int:
-        return httpx.get(f"{demo_app.url}/health", timeout=30).status_code
+    def health() -> httpx.Response:
+        return httpx.get(f"{demo_app.url}/health", timeout=30)
 
     deadline = time.monotonic() + 60
-    while health() == 200:
+    while (answer := health()).status_code == 200:
         assert time.monotonic() < deadline, "/health never reported the dead replica"
         time.sleep(0.2)  # polling interval
-    deadline = time.monotonic() + 300
-    while health() != 200:
-        assert time.monotonic() < deadline, "Serve did not replace the replica"
-        time.sleep(1)  # polling interval
+    assert answer.status_code == 503, answer.text
+    body = answer.json()
+    assert body["status"] == "degraded", body
+    unhealthy = {name for name, state in body["deployments"].items() if state != "HEALTHY"}
+    assert unhealthy == {"LLMServer:demo"}, body
+
+    completion = httpx.post(
+        f"{demo_app.url}/v1/completions",
+        json={"model": "demo", "prompt": "def main(", "max_tokens": 4},
+        headers=AUTH,
+        timeout=120,
+    )
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["usage"]["completion_tokens"] == 4
