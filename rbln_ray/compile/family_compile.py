@@ -49,7 +49,10 @@ def compile_model(hf_dir: str | Path, out_dir: str | Path, settings: CompileSett
     if not isinstance(family, DecoderFamily):
         raise UnsupportedModelError(f"{hf_dir}: {family.architecture} is not a decoder")
     hf_config = json.loads((hf_dir / "config.json").read_text())
-    settings = settings.with_max_seq_len(hf_config)
+    try:
+        settings = family.compile_settings(settings.with_max_seq_len(hf_config))
+    except ValueError as exc:
+        raise CompileConfigError(f"{hf_dir}: {exc}") from None
     for caveat in family.caveats(hf_config):
         logger.warning("%s (%s): %s", hf_dir, family.architecture, caveat)
     rbln_extra, hf_kwargs = family.compile_options(hf_config)

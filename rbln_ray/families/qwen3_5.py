@@ -17,7 +17,8 @@ What differs from the Qwen families before it, and why:
   Qwen3.5 takes a prefill window's smallest cache position, which the zero padding of a
   partial last window makes 0, so a prompt longer than ``prefill_chunk_size`` is not exact;
   flash attention also needs ``kvcache_partition_len`` >= 1024 and two partitions of
-  ``max_seq_len``. The decode graph is compiled for the full batch only.
+  ``max_seq_len``. The decode graph is compiled for the full batch only. Both are the
+  text-only family's facts (``qwen3_5_text`` in the registry), which this one compiles.
 * **Emulator.** Its linear attention calls ``torch.ops.rbln.tri_recur_update``, its runtime
   orders inputs by ``Runtime._index_to_input_name`` (the graph's used inputs) and its graphs
   declare state masks after the static states; the emulator provides all three
@@ -29,7 +30,6 @@ interleaved sections of the rotary part of the head) are Qwen3-VL's.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -40,17 +40,7 @@ from vllm.transformers_utils.configs.qwen3_5 import Qwen3_5Config
 from rbln_ray.families import qwen3_vl
 from rbln_ray.families.qwen_vl_base import interleaved_mrope_text
 from rbln_ray.families.qwen_vl_vllm import QwenVLDummyInputs, QwenVLMultiModalProcessor
-
-logger = logging.getLogger(__name__)
-
-# optimum-rbln 0.12's flash attention on ATOM: a KV partition of at least 1024 tokens, at
-# least two partitions per sequence
-FLASH_PARTITION = 1024
-EAGER_REFUSED = (
-    "optimum-rbln 0.12's Qwen3.5 eager attention takes a prefill window's smallest cache "
-    "position, which the zero padding of a partial last window makes 0: not token-exact for "
-    "prompts longer than prefill_chunk_size; compile with attn_impl='flash_attn'"
-)
+from rbln_ray.families.registry import DECODERS, VISION
 
 
 # ----------------------------------------------------------------------------- runner
@@ -84,20 +74,9 @@ class Qwen3_5(qwen3_vl.Qwen3VL):
     Embedder = Embedder
 
     def compile_settings(self, settings: Any) -> Any:
-        """The language model's settings as Qwen3.5 compiles: flash attention only (refused
-        otherwise, with the reason), one decode graph of the full batch (decode rows are
-        state slots)."""
-        if settings.attn_impl != "flash_attn":
-            raise ValueError(
-                f"Qwen3.5: attn_impl={settings.attn_impl!r} is refused: {EAGER_REFUSED}"
-            )
-        if tuple(settings.decoder_batch_sizes or ()) not in ((), (settings.batch_size,)):
-            logger.info(
-                "Qwen3.5: decoder_batch_sizes %s -> (%d,): decode rows are state slots",
-                settings.decoder_batch_sizes,
-                settings.batch_size,
-            )
-        return settings.model_copy(update={"decoder_batch_sizes": (settings.batch_size,)})
+        """The language model's settings as its text-only family compiles them (flash
+        attention only, decode graphs of the full batch)."""
+        return DECODERS[VISION["qwen3_5"].language_family].compile_settings(settings)
 
     def tiny_model(self, spec: Any, tokenizer: Any) -> tuple[Any, Any]:
         """Qwen3.5's recipe at the spec's shape: Qwen3-VL's tower without deepstack; a

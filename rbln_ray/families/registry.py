@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,8 @@ from rbln_ray.common.artifact_files import HF_CONFIG, architectures
 from rbln_ray.families.contract import FamilyCode, SpeechCode, VisionCode
 from rbln_ray.families.tiny import LATER_SHAPE_FIELDS, ROBERTA_PAIR, TinyRecipe
 from rbln_ray.npu.cost_model import declare_ungated_mlp
+
+logger = logging.getLogger(__name__)
 
 GREEDY_TEST = "tests/vllm_plugin/test_zoo_greedy.py::test_family_greedy_matches_transformers"
 # The four decoder families verified before the zoo, by the original greedy test.
@@ -131,6 +134,16 @@ class DecoderFamily(Family):
     # The MLP has a gate (gate/up/down: Llama, Gemma, Mixtral...); False: up and down only
     # (GPT-2, OPT, Phi). The cost model counts its matrices (passed down by model_type).
     gated_mlp: bool = True
+    # Linear-attention layers (Qwen3.5's gated delta nets) keep one state row per compiled
+    # batch slot, which every decode call runs whole: decode graphs of the full batch only.
+    state_rows: bool = False
+    # attn_impl -> why optimum-rbln 0.12 compiles the family with it, but not token-exactly
+    # (refused at compile, with the reason).
+    refused_attn: Mapping[str, str] = field(default_factory=dict)
+    # vLLM 0.30's own module for the architecture cannot be imported here (torchvision) or
+    # would make vLLM plan its cache as a hybrid model's: vLLM's registry gets rbln-ray's
+    # plain declaration of it instead (rbln_ray.vllm_plugin.declarations).
+    declared: bool = False
 
     def compile_options(self, hf_config: Mapping[str, Any]) -> tuple[dict, dict]:
         """(extra ``rbln_config`` entries, extra Hugging Face loading options)."""
@@ -139,6 +152,26 @@ class DecoderFamily(Family):
             dtype = hf_config.get("dtype") or hf_config.get("torch_dtype")
             hf_kwargs = {"dtype": dtype} if dtype else {}
         return dict(self.compile_extra), hf_kwargs
+
+    def compile_settings(self, settings: Any) -> Any:
+        """``settings`` (a :class:`rbln_ray.compile.CompileSettings`) as the family compiles:
+        an attention implementation it is not exact with is refused, naming why; state rows
+        get decode graphs of the full batch only."""
+        why = self.refused_attn.get(settings.attn_impl)
+        if why:
+            raise ValueError(
+                f"{self.architecture}: attn_impl={settings.attn_impl!r} is refused: {why}"
+            )
+        full = (settings.batch_size,)
+        if not self.state_rows or tuple(settings.decoder_batch_sizes or full) == full:
+            return settings
+        logger.info(
+            "%s: decoder_batch_sizes %s -> %s: decode rows are state slots",
+            self.architecture,
+            settings.decoder_batch_sizes,
+            full,
+        )
+        return settings.model_copy(update={"decoder_batch_sizes": full})
 
     def caveats(self, hf_config: Mapping[str, Any]) -> list[str]:
         """Config values optimum-rbln 0.12 compiles without error but does not honour."""
@@ -306,6 +339,48 @@ _FAMILIES: tuple[Family, ...] = (
         # no LoRA: optimum-rbln 0.12's Qwen3Attention never wraps its projections in LoRA
         # layers yet calls them with an adapter id (TypeError at compile)
         quantization=True,
+    ),
+    # Qwen/Qwen3.5-* language models: mostly linear-attention layers (gated delta nets: a
+    # causal convolution and a recurrent state per sequence, not KV blocks), a few full ones
+    # with a gated output and rotary over a quarter of the head.
+    _zoo(
+        "qwen3_5_text",
+        "Qwen3_5ForCausalLM",
+        "RBLNQwen3_5ForCausalLM",
+        "qwen3_5_text",
+        verified_by={"flash_attn": f"{GREEDY_TEST}[qwen3_5_text-flash_attn]"},
+        # A linear-attention layer's state is built from the prompt's first token: optimum's
+        # prefill raises past position 0, and no state is kept for a cached prefix.
+        prefill_resumable=False,
+        state_rows=True,
+        refused_attn={
+            "eager": "optimum-rbln 0.12's Qwen3.5 eager attention takes a prefill window's "
+            "smallest cache position, which the zero padding of a partial last window makes "
+            "0: not token-exact for prompts longer than prefill_chunk_size; compile with "
+            "attn_impl='flash_attn'"
+        },
+        declared=True,
+        notes="linear-attention layers keep one state row per sequence: prompts are "
+        "prefilled whole, without prefix caching; flash attention only",
+        tiny=TinyRecipe(
+            "Qwen3_5TextConfig",
+            {
+                "head_dim": HEAD_DIM,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 10_000_000.0,
+                    "partial_rotary_factor": 0.25,
+                },
+                # optimum reads the top-level factor, transformers' rotary the one above
+                "partial_rotary_factor": 0.25,
+                "layer_types": "$linear_then_full",
+                "linear_conv_kernel_dim": 4,
+                "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16,
+                "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4,
+            },
+        ),
     ),
     _zoo(
         "mistral",
@@ -839,8 +914,6 @@ UNSUPPORTED: dict[str, str] = {
     "code only (no 'midm' in transformers 5.15.1), so no tiny model can be built here",
     "Gemma4ForCausalLM": "RBLNGemma4ForCausalLM (per-layer inputs, heterogeneous KV caches) is "
     "outside this zoo's scope",
-    "Qwen3_5ForCausalLM": "RBLNQwen3_5ForCausalLM (text-only Qwen3.5) is not verified here; "
-    "rbln-ray serves Qwen3.5 as its vision-language model, Qwen3_5ForConditionalGeneration",
     # vision-language
     "Qwen3_5MoeForConditionalGeneration": "optimum-rbln 0.12 has no RBLNQwen3_5Moe class",
     "Qwen3_5MoeForCausalLM": "optimum-rbln 0.12 has no RBLNQwen3_5Moe class",

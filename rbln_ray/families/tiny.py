@@ -80,6 +80,8 @@ def derived_values(shape: Any) -> dict[str, Any]:
         "hybrid": [
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape.num_layers)
         ],
+        # linear attention but the last layer, as Qwen3.5's language models end
+        "linear_then_full": ["linear_attention"] * (shape.num_layers - 1) + ["full_attention"],
     }
 
 

@@ -53,11 +53,15 @@ def register_models() -> None:
 def declarations() -> dict[str, str]:
     """architecture -> ``module:class`` of rbln-ray's declarations (the class vLLM's registry
     inspects in place of vLLM's own, :mod:`rbln_ray.families.vision_base`), imported by vLLM
-    only when used."""
-    from rbln_ray.families.registry import VISION
+    only when used: a vision-language family's own, and for a declared text-only decoder the
+    plain one (a text-generation model, neither multimodal nor hybrid)."""
+    from rbln_ray.families.registry import DECODERS, VISION
 
-    return {
+    found = {
         f.architecture: f"rbln_ray.families.{f.module}:{f.declaration}"
         for f in VISION.values()
         if f.declaration
     }
+    plain = "rbln_ray.families.vision_base:Declaration"
+    found.update({f.architecture: plain for f in DECODERS.values() if f.declared})
+    return found

@@ -127,20 +127,26 @@ def test_compile_of_unsupported_architecture_is_a_clear_error(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("kind", ["text", "vision-language"])
 def test_qwen3_5_compiles_flash_attention_only(
-    tmp_path: Path, capsys: pytest.CaptureFixture
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """Its eager attention is not token-exact past one prefill chunk: refused with the reason
-    before anything is compiled."""
+    before anything is compiled, for the text-only model and the vision-language one (whose
+    language model it is)."""
     os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
-    from rbln_ray.families.qwen3_5 import EAGER_REFUSED
-    from rbln_ray.models import build_tiny_vlm
+    from rbln_ray.models import build_tiny_model, build_tiny_vlm
 
     out = tmp_path / "out"
-    hf = build_tiny_vlm(family="qwen3_5")
+    hf = (
+        build_tiny_model(family="qwen3_5_text")
+        if kind == "text"
+        else build_tiny_vlm(family="qwen3_5")
+    )
     assert cli_main(["compile", str(hf), str(out), "--max-seq-len", "2048"]) == 2
     err = capsys.readouterr().err
-    assert EAGER_REFUSED in err and "Traceback" not in err
+    assert DECODERS["qwen3_5_text"].refused_attn["eager"] in err, err
+    assert "attn_impl='eager' is refused" in err and "Traceback" not in err
     assert not out.exists()
 
 
@@ -259,7 +265,11 @@ def test_every_record_names_real_classes_and_consumers_read_the_registry() -> No
     build = parser()._subparsers._group_actions[0].choices["build-model"]
     (choice,) = [a for a in build._actions if a.dest == "family"]
     assert set(choice.choices) == {*FAMILIES, "demo"}
-    assert set(declarations()) == {f.architecture for f in VISION.values() if f.declaration}
+    declared = {f.architecture for f in DECODERS.values() if f.declared}
+    assert declared == {"Qwen3_5ForCausalLM"}
+    assert set(declarations()) == declared | {
+        f.architecture for f in VISION.values() if f.declaration
+    }
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
