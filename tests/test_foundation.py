@@ -25,6 +25,8 @@ VLLM_CPU_CANNOT_RUN = {
     "gemma2": "no untied lm_head in vLLM 0.30's Gemma2",
     # vLLM's gpt_oss_mxfp4 kernels run in bfloat16 only; token-exact needs float32.
     "gpt_oss": "vLLM 0.30's MXFP4 MoE is bfloat16-only",
+    # vLLM's qwen3_5 module imports qwen3_vl, which imports torchvision (not installed here).
+    "qwen3_5_text": "vLLM 0.30's Qwen3.5 imports torchvision",
 }
 
 PROMPTS = [
