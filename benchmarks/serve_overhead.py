@@ -165,11 +165,12 @@ def plot(results: dict[str, dict], split: dict[str, dict], quick: bool) -> None:
     left.set_xlabel("concurrency")
     left.set_ylabel("TTFT p50 (ms)")
     left.legend()
-    bottom = [0.0] * len(concurrencies)
-    for part in ("replica_ms", "proxy_and_ingress_ms"):
-        values = [split[c][part] for c in concurrencies]
-        right.bar(concurrencies, values, bottom=bottom, label=part)
-        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    parts = ("replica_ms", "proxy_and_ingress_ms", "serve_added_ms")
+    width = 0.8 / len(parts)
+    for i, part in enumerate(parts):
+        xs = [j + i * width for j in range(len(concurrencies))]
+        right.bar(xs, [split[c][part] for c in concurrencies], width, label=part)
+    right.set_xticks([j + width for j in range(len(concurrencies))], concurrencies)
     right.axhline(GOAL_ADDED_TTFT_MS, color="k", linestyle="--", label="goal at c=1")
     right.set_xlabel("concurrency")
     right.set_ylabel("TTFT p50 Serve adds (ms)")
