@@ -14,7 +14,10 @@ llama-3-8b), along three paths that differ by one layer each:
 TTFT p50 differences give the split: ``serve_handle - in_process`` is the replica (Serve's
 handle call, vLLM's HTTP layer in the replica, the chunk stream back), ``serve -
 serve_handle`` is the proxy and ingress (HTTP parsing, auth, validation, routing, a second
-handle hop). The goal (issue 49): Serve adds at most 5 ms of TTFT p50 at concurrency 1.
+handle hop). Controls on the same Ray instance, requests that reach no model: Serve's proxy
+alone (``/-/healthz``), a bare FastAPI ingress behind it (Serve's own proxy-to-replica hop),
+and the rbln-ray ingress answering ``/version`` itself. The goal (issue 49): Serve adds at
+most 5 ms of TTFT p50 at concurrency 1.
 
     python -m benchmarks.serve_overhead [--quick] [--concurrency 1,4,8] [--shape llama-3-8b]
 """
@@ -102,8 +105,61 @@ async def handle_load(
     return aggregate(records, time.perf_counter() - start)
 
 
+def bare_ingress():
+    """A FastAPI ingress that answers one route itself: Serve's own proxy-to-replica cost."""
+    from fastapi import FastAPI
+    from ray import serve
+
+    app = FastAPI()
+
+    @serve.deployment(name="BareIngress")
+    @serve.ingress(app)
+    class BareIngress:
+        @app.get("/version")
+        def version(self) -> dict[str, str]:
+            return {"version": "bare"}
+
+    return BareIngress.bind()
+
+
+async def get_latency(url: str, requests: int = 200, warmup: int = 20) -> dict[str, Any]:
+    """Sequential GETs of ``url`` on one connection: the latency summary (ms)."""
+    import httpx
+
+    from benchmarks.common import summary
+
+    took = []
+    async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+        for i in range(warmup + requests):
+            sent = time.perf_counter()
+            response = await client.get(url)
+            response.raise_for_status()
+            if i >= warmup:
+                took.append(time.perf_counter() - sent)
+    return summary(took, 1e3)
+
+
+def controls(port: int) -> dict[str, dict]:
+    """Requests that never reach a model: Serve's proxy alone (``/-/healthz``), a bare
+    FastAPI ingress behind it, and the rbln-ray ingress answering ``/version`` itself."""
+    from ray import serve
+
+    serve.run(bare_ingress(), name="bare", route_prefix="/bare")
+    base = f"http://127.0.0.1:{port}"
+    out = {
+        "proxy_healthz": asyncio.run(get_latency(f"{base}/-/healthz")),
+        "bare_ingress_route": asyncio.run(get_latency(f"{base}/bare/version")),
+        "rbln_ingress_version": asyncio.run(get_latency(f"{base}/version")),
+    }
+    serve.delete("bare")
+    for name, latency in out.items():
+        print(f"   {name:>22} p50 {latency['p50']:.1f} ms p99 {latency['p99']:.1f} ms", flush=True)
+    return out
+
+
 def serve_paths(compiled, prompts, concurrencies, args) -> dict[str, dict]:
-    """Paths 2 and 3 on one Serve app (one replica), concurrency by concurrency."""
+    """Paths 2 and 3 on one Serve app (one replica), concurrency by concurrency, after the
+    controls (:func:`controls`)."""
     import ray
     from ray import serve
 
@@ -115,6 +171,7 @@ def serve_paths(compiled, prompts, concurrencies, args) -> dict[str, dict]:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = common.deploy_serve_app(compiled, 1, port)
         asyncio.run(wait_ready(url, 600))
+        out["controls"] = controls(port)
         for c in concurrencies:
             handle = asyncio.run(handle_load(prompts, args.output_len, c))
             out["serve_handle"][str(c)] = handle
