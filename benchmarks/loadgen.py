@@ -15,6 +15,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from benchmarks.common import summary
@@ -47,28 +48,95 @@ def aggregate(records: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
     }
 
 
+def completion_body(model: str, prompt: list[int], output_len: int) -> dict[str, Any]:
+    """The streamed completion every load sends: token ids, greedy, exactly ``output_len``."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+class StreamRecord:
+    """One request's record for :func:`aggregate`, built from its SSE data lines as they
+    arrive (the first stamp is the first token's, the usage gives the output tokens)."""
+
+    def __init__(self) -> None:
+        self.sent = time.perf_counter()
+        self.stamps: list[float] = []
+        self.usage_tokens: int | None = None
+
+    def line(self, line: str | bytes) -> None:
+        text = line.decode() if isinstance(line, bytes) else line
+        if not text.startswith("data: ") or text == "data: [DONE]":
+            return
+        chunk = json.loads(text[6:])
+        if chunk.get("usage"):
+            self.usage_tokens = chunk["usage"].get("completion_tokens")
+        if chunk.get("choices"):
+            self.stamps.append(time.perf_counter())
+
+    def done(self) -> dict[str, Any]:
+        tokens = self.usage_tokens or len(self.stamps)
+        return {"sent": self.sent, "stamps": self.stamps, "output_tokens": tokens}
+
+    def failed(self, error: str) -> dict[str, Any]:
+        return {"sent": self.sent, "stamps": [], "output_tokens": 0, "error": error}
+
+
 async def _one(client, url: str, body: dict, headers: dict, timeout: float) -> dict:
-    sent = time.perf_counter()
-    stamps: list[float] = []
-    tokens = 0
-    usage_tokens = None
+    record = StreamRecord()
     try:
         async with client.stream("POST", url, json=body, headers=headers, timeout=timeout) as resp:
             if resp.status_code != 200:
-                text = (await resp.aread()).decode()[:200]
-                return {"sent": sent, "stamps": [], "output_tokens": 0, "error": text}
+                return record.failed((await resp.aread()).decode()[:200])
             async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    usage_tokens = chunk["usage"].get("completion_tokens")
-                if chunk.get("choices"):
-                    stamps.append(time.perf_counter())
-                    tokens += 1
+                record.line(line)
     except Exception as exc:  # noqa: BLE001 - a failed request is a data point
-        return {"sent": sent, "stamps": [], "output_tokens": 0, "error": repr(exc)[:200]}
-    return {"sent": sent, "stamps": stamps, "output_tokens": usage_tokens or tokens}
+        return record.failed(repr(exc)[:200])
+    return record.done()
+
+
+async def closed_loop(
+    one: Callable[[list[int]], Awaitable[dict[str, Any]]],
+    prompts: list[list[int]],
+    concurrency: int,
+    request_rate: float | None = None,
+    warmup: int = 2,
+    desc: str = "",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Send every prompt once through ``one`` (after ``warmup`` of them unmeasured), at most
+    ``concurrency`` in flight, arriving back to back or as Poisson arrivals at
+    ``request_rate``; return :func:`aggregate` of the measured phase."""
+    from tqdm import tqdm
+
+    for p in prompts[:warmup]:
+        await one(p)
+    bar = tqdm(total=len(prompts), desc=desc, disable=not progress)
+    records: list[dict] = []
+    sem = asyncio.Semaphore(concurrency)
+    rng = random.Random(0)
+
+    async def send(p: list[int]) -> None:
+        async with sem:
+            records.append(await one(p))
+            bar.update(1)
+
+    start = time.perf_counter()
+    tasks = []
+    for p in prompts:
+        tasks.append(asyncio.create_task(send(p)))
+        if request_rate:
+            await asyncio.sleep(rng.expovariate(request_rate))
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - start
+    bar.close()
+    return aggregate(records, elapsed)
 
 
 async def run_load(
@@ -83,48 +151,19 @@ async def run_load(
     progress: bool = True,
     warmup: int = 2,
 ) -> dict[str, Any]:
-    """Send every prompt once; return :func:`aggregate` of the measured phase."""
+    """Send every prompt once over HTTP; return :func:`aggregate` of the measured phase."""
     import httpx
-    from tqdm import tqdm
 
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-    def body(p: list[int]) -> dict:
-        return {
-            "model": model,
-            "prompt": p,
-            "max_tokens": output_len,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
-        for p in prompts[:warmup]:
-            await _one(client, url, body(p), headers, timeout)
-        bar = tqdm(total=len(prompts), desc=f"{base_url} c={concurrency}", disable=not progress)
-        records: list[dict] = []
-        sem = asyncio.Semaphore(concurrency)
-        rng = random.Random(0)
 
-        async def send(p: list[int]) -> None:
-            async with sem:
-                records.append(await _one(client, url, body(p), headers, timeout))
-                bar.update(1)
+        async def one(p: list[int]) -> dict[str, Any]:
+            return await _one(client, url, completion_body(model, p, output_len), headers, timeout)
 
-        start = time.perf_counter()
-        tasks = []
-        for p in prompts:
-            tasks.append(asyncio.create_task(send(p)))
-            if request_rate:
-                await asyncio.sleep(rng.expovariate(request_rate))
-        await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - start
-        bar.close()
-    return aggregate(records, elapsed)
+        desc = f"{base_url} c={concurrency}"
+        return await closed_loop(one, prompts, concurrency, request_rate, warmup, desc, progress)
 
 
 async def wait_ready(base_url: str, timeout: float, api_key: str | None = None) -> None:

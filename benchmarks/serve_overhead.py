@@ -26,12 +26,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 from typing import Any
 
 from benchmarks import common
-from benchmarks.loadgen import aggregate, run_load, wait_ready
+from benchmarks.loadgen import (
+    StreamRecord,
+    closed_loop,
+    completion_body,
+    run_load,
+    wait_ready,
+)
 from benchmarks.online_serving import inprocess_runs
 
 GOAL_ADDED_TTFT_MS = 5.0  # Serve over HTTP vs the in-process engine, TTFT p50, concurrency 1
@@ -40,36 +45,26 @@ PATHS = ("in_process", "serve_handle", "serve")
 
 async def _handle_one(handle: Any, call: Any) -> dict[str, Any]:
     """One streamed request through the model deployment's handle: the loadgen record."""
-    sent = time.perf_counter()
-    stamps: list[float] = []
-    usage_tokens = None
+    record = StreamRecord()
     pending = b""
     try:
         items = handle.options(stream=True).http.remote(call)
         first = True
         async for item in items:
-            chunk = item.body if first else item
             if first and item.status != 200:
-                return {"sent": sent, "stamps": [], "output_tokens": 0, "error": str(item.status)}
+                return record.failed(str(item.status))
+            pending += item.body if first else item
             first = False
-            pending += chunk
             *events, pending = pending.split(b"\n\n")
             for event in events:
-                line = event.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                payload = json.loads(line[6:])
-                if payload.get("usage"):
-                    usage_tokens = payload["usage"].get("completion_tokens")
-                if payload.get("choices"):
-                    stamps.append(time.perf_counter())
+                record.line(event.strip())
     except Exception as exc:  # noqa: BLE001 - a failed request is a data point
-        return {"sent": sent, "stamps": [], "output_tokens": 0, "error": repr(exc)[:200]}
-    return {"sent": sent, "stamps": stamps, "output_tokens": usage_tokens or len(stamps)}
+        return record.failed(repr(exc)[:200])
+    return record.done()
 
 
 async def handle_load(
-    prompts: list[list[int]], output_len: int, concurrency: int, warmup: int = 2
+    prompts: list[list[int]], output_len: int, concurrency: int
 ) -> dict[str, Any]:
     """``run_load``'s closed loop, through the Serve handle instead of HTTP."""
     from ray import serve
@@ -80,29 +75,11 @@ async def handle_load(
     client = RBLNClient("demo")  # builds the HTTPCall as the Python client sends it
     handle = serve.get_deployment_handle(server_deployment_name("demo"), APP_NAME)
 
-    def call(prompt: list[int]) -> Any:
-        body = {
-            "prompt": prompt,
-            "max_tokens": output_len,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        return client.call("POST", "/v1/completions", body)
+    async def one(prompt: list[int]) -> dict[str, Any]:
+        body = completion_body("demo", prompt, output_len)
+        return await _handle_one(handle, client.call("POST", "/v1/completions", body))
 
-    for p in prompts[:warmup]:
-        await _handle_one(handle, call(p))
-    records: list[dict[str, Any]] = []
-    sem = asyncio.Semaphore(concurrency)
-
-    async def send(p: list[int]) -> None:
-        async with sem:
-            records.append(await _handle_one(handle, call(p)))
-
-    start = time.perf_counter()
-    await asyncio.gather(*(send(p) for p in prompts))
-    return aggregate(records, time.perf_counter() - start)
+    return await closed_loop(one, prompts, concurrency, desc=f"handle c={concurrency}")
 
 
 def bare_ingress():
