@@ -38,8 +38,8 @@ Choice (:func:`order_candidates`): the replica where the request's first token c
 Per replica that is the wait for a decode slot (a replica running ``B`` requests, the
 compiled batch, frees one every ``service / B`` seconds, and the request waits for as many as
 are ahead of it) plus the prefill of the prompt tokens past the prefix it holds (tokens its
-node's host tier holds cost a transfer instead: :data:`HOST_LOAD_FRACTION` of a prefill;
-priced on the full scan, below :data:`EXACT_SCAN_MAX` replicas). (Prefills
+node's host tier holds cost a transfer instead: :data:`HOST_LOAD_FRACTION` of a prefill).
+(Prefills
 ahead of it on a replica with free slots are not priced: requests of a burst sharing a
 prefix then wait for its one prefill on one replica instead of each prefilling it on
 another, which would be sooner for each and slower for all.) So a turn stays where its
@@ -60,8 +60,9 @@ visiting every replica per request (:meth:`CacheAwareRouter._indexed_choice`). R
 small integer slots, and sets of replicas are bitmasks of slots: an inverted index from block
 key to the replicas holding it (kept per report, :class:`~rbln_ray.serve.kv_index.HolderIndex`,
 and likewise for recent sends) gives, with one AND per prompt block, the replicas holding each
-prefix depth; the router keeps its replicas grouped by load. Every replica of one (load,
-depth) class has the same estimate, so the estimate is computed per class, and only the best
+prefix depth; the router keeps its replicas grouped by load, and by node where a node's
+host KV tier holds blocks past a depth. Every replica of one (load, depth, host depth) class
+has the same estimate, so the estimate is computed per class, and only the best
 classes' members are ranked, until the :data:`TOP_CHOICES` best replicas are known (Serve asks
 again when all of them refuse). The one difference from the full scan is the rendezvous hash
 that breaks ties: a 64-bit mix of hashes of the key and of the replica id
@@ -654,6 +655,8 @@ class CacheAwareRouter(RequestRouter):
         self._indexed_capacity: int | None = None  # None: replicas differ (full scan)
         self._indexed_rates: ServiceRates | None = None
         self._indexed_block_size = DEFAULT_BLOCK_SIZE  # the replicas' last reported one
+        # Per node whose host KV tier holds blocks: its replicas' slots, and those blocks' keys.
+        self._host_nodes: list[tuple[int, frozenset[int]]] = []
 
     # ------------------------------------------------------------------ inputs
     async def _request(self, pending: PendingRequest) -> _Request:
@@ -823,6 +826,27 @@ class CacheAwareRouter(RequestRouter):
         self._indexed_capacity = capacities.pop() if len(capacities) == 1 else None
         self._indexed_rates = self._rates(replicas)
         self._indexed_block_size = self._block_size(replicas)
+        node_slots: dict[Any, int] = {}
+        for slot, replica in by_slot.items():
+            node = getattr(replica, "node_id", None)
+            node_slots[node] = node_slots.get(node, 0) | (1 << slot)
+        self._host_nodes = [
+            (node_slots[node], keys) for node, keys in self._host_by_node(replicas).items()
+        ]
+
+    def _host_split(self, keys: list[int], depth: int, mask: int) -> Iterator[tuple[int, int]]:
+        """The replicas of ``mask`` (each holding ``depth`` leading ``keys`` on its device)
+        by how many keys past those their node's host tier holds: ``(host depth, slots)``."""
+        rest = mask
+        for node_mask, held in self._host_nodes:
+            part = mask & node_mask
+            if part:
+                hosted = held_prefix(keys[depth:], held)
+                if hosted:
+                    rest &= ~part
+                    yield hosted, part
+        if rest:
+            yield 0, rest
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -906,10 +930,15 @@ class CacheAwareRouter(RequestRouter):
                 by_load[load] = by_load.get(load, 0) | (1 << slot)
             least = min((load for load in by_load if load < capacity), default=0)
 
-        def estimate(load: int, uncached: int) -> float:
+        def estimate(load: int, uncached: int, loaded: int) -> float:
             if rates is None:
                 return float(load > least + batch)
-            return estimate_ttft(rates, batch, load, uncached)
+            return estimate_ttft(rates, batch, load, uncached, loaded)
+
+        def tokens_past(depth: int, hosted: int) -> tuple[int, int]:
+            """(to prefill, to load from the host tier), as :meth:`_candidate` counts them."""
+            covered = min(tokens, (depth + hosted) * block)
+            return tokens - covered, max(0, covered - depth * block)
 
         request.block_size = block = self._indexed_block_size
         keys = request.chain(block)
@@ -919,22 +948,21 @@ class CacheAwareRouter(RequestRouter):
         holding = 0
         for _, m in groups:
             holding |= m
-        classes: dict[tuple, int] = {}
+        classes: dict[tuple, int] = {}  # ((full, estimate, -depth), host depth) -> slots
         for depth, dmask in [(0, live & ~holding), *groups]:
-            if not dmask:
-                continue
-            uncached = max(0, tokens - depth * block)
-            for load, lmask in by_load.items():
-                members = dmask & lmask
-                if members:
-                    head = (load >= capacity, estimate(load, uncached), -depth)
-                    classes[head] = classes.get(head, 0) | members
+            for hosted, hmask in self._host_split(keys, depth, dmask) if dmask else ():
+                uncached, loaded = tokens_past(depth, hosted)
+                for load, lmask in by_load.items():
+                    members = hmask & lmask
+                    if members:
+                        head = (load >= capacity, estimate(load, uncached, loaded), -depth)
+                        classes[head, hosted] = classes.get((head, hosted), 0) | members
         session = self._slots.get(session_replica) if session_replica else None
         key_hash = hash64(request.key)
         top = min(self._top_choices, live.bit_count())
         chosen: list[tuple[tuple, int]] = []  # (preference, slot), best first
         replica_at, known, cached = self._indexed_replica, self._known_load, cache.get
-        for head, mask in sorted(classes.items()):
+        for (head, hosted), mask in sorted(classes.items()):
             if len(chosen) >= top and head > chosen[-1][0][:3]:
                 break
             for other, inverse, rid, slot in self._members(mask, key_hash, session):
@@ -946,8 +974,8 @@ class CacheAwareRouter(RequestRouter):
                 load = max(own, cached(replica.replica_id) or 0)
                 preference = bound
                 if load != own and rates is not None:
-                    uncached = max(0, tokens + head[2] * block)
-                    ttft = estimate_ttft(rates, batch, load, uncached)
+                    uncached, loaded = tokens_past(-head[2], hosted)
+                    ttft = estimate_ttft(rates, batch, load, uncached, loaded)
                     preference = (load >= capacity, ttft, *bound[2:])
                 if not chosen or preference > chosen[-1][0]:
                     chosen.append((preference, slot))

@@ -26,7 +26,12 @@ from rbln_ray.serve.cache_routing import (
     hashed_ranks,
     order_candidates,
 )
-from rbln_ray.serve.kv_events import STATS_BLOCK_SIZE, STATS_BLOCKS, STATS_EVENTS
+from rbln_ray.serve.kv_events import (
+    STATS_BLOCK_SIZE,
+    STATS_BLOCKS,
+    STATS_EVENTS,
+    STATS_HOST_BLOCKS,
+)
 from rbln_ray.serve.kv_index import (
     ROOT,
     HolderIndex,
@@ -149,6 +154,7 @@ class FakeReplica:
     replica_id: ReplicaID
     routing_stats: dict[str, Any] = field(default_factory=dict)
     max_ongoing_requests: int = 8
+    node_id: str | None = None
 
 
 def pending(prompt: list[int], session: str | None) -> PendingRequest:
@@ -164,37 +170,45 @@ def reference(router: CacheAwareRouter, replicas: list[FakeReplica], request: An
     rates = router._rates(replicas)
     session = router._sessions.get(request.session) if request.session else None
     ids = [r.replica_id.unique_id for r in replicas]
-    candidates = [router._candidate(r, request, rates) for r in replicas]
+    host = router._host_by_node(replicas)
+    candidates = [router._candidate(r, request, rates, host) for r in replicas]
     return order_candidates(
         candidates, session, request.key, router._batch_size, hashed_ranks(request.key, ids)
     )
 
 
-def random_fleet(rng: random.Random, n: int, prompts: list[list[int]], timed: bool):
+def random_fleet(rng: random.Random, n: int, prompts: list[list[int]], timed: bool, nodes: int = 0):
+    """``nodes``: replicas spread over that many nodes, a third of them reporting blocks
+    their node's host KV tier holds (0: no node, no tier)."""
     replicas = []
     for i in range(n):
         held: set[int] = set()
         for prompt in rng.sample(prompts, rng.randrange(0, 4)):
             held |= set(chain_hashes(prompt[: rng.randrange(0, len(prompt) + 1)], BS))
         stats: dict[str, Any] = {STATS_BLOCK_SIZE: BS, STATS_BLOCKS: sorted(held)}
+        if nodes and rng.random() < 1 / 3:
+            hosted = rng.choice(prompts)
+            stats[STATS_HOST_BLOCKS] = chain_hashes(hosted[: rng.randrange(len(hosted) + 1)], BS)
         stats[STATS_EVENTS] = rng.randrange(3)
         if timed:
             stats[STATS_PREFILL_S_PER_TOKEN] = rng.choice([0.001, 0.002])
             stats[STATS_SERVICE_S] = rng.choice([0.3, 2.0, 10.0])
         if rng.random() < 0.5:  # a replica that reports its load (others do not)
             stats[STATS_LOAD], stats[STATS_REPORT] = rng.randrange(10), 0
-        replicas.append(FakeReplica(ReplicaID(f"r{i:03d}", DEPLOYMENT), stats, 8))
+        node = f"n{rng.randrange(nodes)}" if nodes else None
+        replicas.append(FakeReplica(ReplicaID(f"r{i:03d}", DEPLOYMENT), stats, 8, node))
     return replicas
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(9))
 def test_indexed_choice_is_the_full_scans_order(seed: int) -> None:
     """Random fleets (reports, this router's loads and recent sends, some expired, Serve's
     queue-length cache above a few loads, reported loads changing, sessions, full replicas,
-    replicas leaving): the
-    indexed path returns the first replicas of the full scan's order, the whole order
-    when asked for all of it, with and without reported times."""
+    replicas leaving; for seeds 6-8, nodes whose host KV tiers hold blocks past what their
+    devices hold): the indexed path returns the first replicas of the full scan's order, the
+    whole order when asked for all of it, with and without reported times."""
     rng = random.Random(seed)
+    nodes = rng.choice([3, 7]) if seed >= 6 else 0
     now = [100.0]
 
     async def scenario() -> None:
@@ -213,11 +227,12 @@ def test_indexed_choice_is_the_full_scans_order(seed: int) -> None:
         system = [rng.randrange(50) for _ in range(3 * BS)]
         prompts = [system + [rng.randrange(50) for _ in range(rng.randrange(8 * BS))]
                    for _ in range(12)]  # fmt: skip
-        replicas = random_fleet(rng, n, prompts, timed=seed % 3 != 0)
+        replicas = random_fleet(rng, n, prompts, timed=seed % 3 != 0, nodes=nodes)
         sessions = [f"s{i}" for i in range(6)]
         for step in range(60):
             if step == 30:  # some replicas leave, new ones come (slots are reused)
-                replicas = replicas[5:] + random_fleet(rng, 3, prompts, timed=seed % 3 != 0)
+                more = random_fleet(rng, 3, prompts, timed=seed % 3 != 0, nodes=nodes)
+                replicas = replicas[5:] + more
                 for i, r in enumerate(replicas[-3:]):
                     r.replica_id = ReplicaID(f"new{step}-{i}", DEPLOYMENT)
                 replicas = list(replicas)
