@@ -22,6 +22,13 @@ model runner moves them through Rebellions' runtime transfers (``_fetch_kv_cache
 hooks (``start_load_kv``, ``save_kv_layer``) address vLLM-owned KV tensors; on RBLN the KV
 lives inside the compiled runtime, so they have nothing to do here.
 
+Prefill/decode disaggregation rides on the same tier: a prefill engine (``kv_role:
+kv_producer``, or any engine for a request with vLLM's ``kv_transfer_params:
+{"do_remote_decode": true}``) saves a prompt's full blocks to the tier right after the step
+that computes its last chunk, before its first token leaves the engine, and says so in the
+answer's ``kv_transfer_params``; a decode engine on the same tier then finds those blocks as
+it finds any prefix (:meth:`get_num_new_matched_tokens`) and loads them.
+
 Settings (``kv_connector_extra_config``): ``host_gib`` (the tier's size on the node, GiB;
 default 4), ``root`` (a tmpfs directory; the Serve app names one per Ray node).
 """
@@ -116,6 +123,7 @@ class RBLNHostKVConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self._per_outer = 1
         self._outer_size = self.block_size
+        self._exported: dict[str, int] = {}  # request -> prompt tokens its prefill exported
 
     def set_layout(self, outer_size: int, per_outer: int) -> None:
         """The RBLN block plan's sizes (the scheduler sets them: loads fill whole segments)."""
@@ -151,6 +159,23 @@ class RBLNHostKVConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int):
         return None
+
+    def exported(self, req_id: str, tokens: int) -> None:
+        """The scheduler planned saving ``tokens`` of ``req_id``'s prompt to the tier after
+        its last prefill chunk (prefill/decode disaggregation)."""
+        self._exported[req_id] = self._exported.get(req_id, 0) + tokens
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
+        """A prefill engine's answer carries what a decode engine needs, in vLLM's
+        ``kv_transfer_params`` (the response field P/D proxies forward): the prompt's KV is in
+        the node's tier by now (saved before the step's output left the workers), so the
+        device blocks need not wait, and the decode engine finds it by the prompt's own block
+        hashes."""
+        tokens = self._exported.pop(request.request_id, None)
+        if tokens is None:
+            return False, None
+        tier = self.tier.root.name if self.tier is not None else None
+        return False, {"do_remote_prefill": True, "host_tier": tier, "exported_tokens": tokens}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return RBLNHostKVMetadata()

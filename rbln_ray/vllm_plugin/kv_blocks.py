@@ -153,6 +153,9 @@ class KVStepPlan:
     # load before the prefill (a load that fails prefills from its start instead).
     host_saves: list[HostSave] = field(default_factory=list)
     host_loads: list[HostLoad] = field(default_factory=list)
+    # Prefill/decode disaggregation: a prompt's KV saved to the tier after its last chunk,
+    # before its first token leaves the engine, for a decode engine to load.
+    host_exports: list[HostSave] = field(default_factory=list)
 
 
 @dataclass
@@ -295,6 +298,20 @@ class OuterBlockManager:
         self._owned[req_id] = owned
         self.record(req_id, hashes, end_tokens)
         return copies, start
+
+    def export(self, req_id: str, hashes: Sequence[Hashable], tokens: int) -> list[HostSave]:
+        """Saves of the full vLLM blocks of ``req_id``'s first ``tokens`` tokens that the
+        tier does not hold yet, segment by segment (run after the step that computes them)."""
+        if self._host is None:
+            return []
+        k, full = self.layout.per_outer, min(len(hashes), tokens // self.layout.inner_size)
+        saves = []
+        for j, index in enumerate(self._owned.get(req_id, ())):
+            chain = tuple(hashes[j * k : min((j + 1) * k, full)])
+            start = j * self.layout.outer_size
+            if chain and not self._host.holds(chain, start):
+                saves.append(HostSave(index, start, len(chain) * self.layout.inner_size, chain))
+        return saves
 
     def take_host_work(self) -> tuple[list[HostSave], list[HostLoad]]:
         """The host tier saves and loads planned since the last call (one step's)."""

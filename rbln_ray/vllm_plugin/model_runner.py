@@ -59,7 +59,7 @@ from rbln_ray.families.registry import VISION
 from rbln_ray.families.vision_base import PromptEmbedder
 from rbln_ray.upstream import rebel_internals, vllm_internals
 from rbln_ray.vllm_plugin.host_transfer import HostTransfer
-from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK, BlockLayout, KVCopy, KVStepPlan
+from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK, BlockLayout, HostSave, KVCopy, KVStepPlan
 from rbln_ray.vllm_plugin.lora import LoRARows
 from rbln_ray.vllm_plugin.spec import verify
 from rbln_ray.vllm_plugin.spec.policy import SpecStepInfo
@@ -551,6 +551,7 @@ class RBLNModelRunner:
             return None
         if isinstance(step, _PrefillStep):
             logits = self._prefill(step, receive)
+            self._save(step.plan.host_exports)  # before the first token leaves the engine
             if not self.last_stage:
                 return logits
             if step.end < len(step.tokens):
@@ -576,9 +577,13 @@ class RBLNModelRunner:
 
     def _save_to_host(self, plan: KVStepPlan | None) -> None:
         """The step's host tier saves, before anything of the step writes those blocks."""
-        if plan is None or not plan.host_saves or self.host is None:
+        if plan is not None:
+            self._save(plan.host_saves)
+
+    def _save(self, saves: list[HostSave]) -> None:
+        if not saves or self.host is None:
             return
-        for save in plan.host_saves:
+        for save in saves:
             if self.host.save(save):
                 self.stats.host_saves += 1
                 self.stats.host_save_tokens += save.tokens

@@ -92,6 +92,8 @@ class _RBLNScheduling:
         self.options = engine_options(self.vllm_config)
         self.lora_gate = LoRAGate.for_artifact(artifact) if artifact.lora is not None else None
         self.outer_blocks = OuterBlockManager(self.layout, self._evict_hashes, self._host_tier())
+        kv = self.vllm_config.kv_transfer_config
+        self._producer = kv is not None and kv.kv_role == "kv_producer"
         # Sliding-window layers, per-sequence state rows: one pinned cache slot per running
         # request (kv_slots).
         pinned = artifact.uses_local_cache or artifact.state_slots
@@ -392,6 +394,10 @@ class _RBLNScheduling:
             plan.tables[req_id] = manager.table(req_id)
             if self.slots is not None:
                 plan.slots[req_id] = self.slots.slot(req_id)
+            if kind == "prefill" and self._exports(request):
+                exports = manager.export(req_id, request.block_hashes, request.num_prompt_tokens)
+                plan.host_exports.extend(exports)
+                self.connector.exported(req_id, sum(e.tokens for e in exports))
         if kind in ("decode", "verify") or (self.spec_lookahead and kind == "prefill"):
             # padding rows (a draft model pads its proposing calls after a prefill too)
             tokens = max(self.spec_width, 2) if self.spec_policy is not None else 1
@@ -401,6 +407,16 @@ class _RBLNScheduling:
         plan.host_saves, plan.host_loads = manager.take_host_work()
         manager.flush_evictions()
         return plan
+
+    def _exports(self, request: Request) -> bool:
+        """Prefill/decode disaggregation: the step computes the last chunk of a prompt whose
+        KV a decode engine takes over through the host tier: every prompt of a prefill engine
+        (``kv_role: kv_producer``), else a request asking for it as vLLM's P/D proxies do
+        (``kv_transfer_params: {"do_remote_decode": true}``)."""
+        if self.connector is None or request.num_computed_tokens < request.num_prompt_tokens:
+            return False
+        params = request.kv_transfer_params or {}
+        return self._producer or bool(params.get("do_remote_decode"))
 
     def _release_missing(self) -> None:
         """Requests no longer running give back their RBLN blocks and cache slots."""

@@ -122,6 +122,7 @@ def run(llm, spec: dict) -> dict:
                         "text": c.text,
                         "finish_reason": c.finish_reason,
                         "logprobs": _logprobs(c.logprobs),
+                        "kv_transfer_params": o.kv_transfer_params,  # a P/D prefill's
                     }
                     for c in o.outputs
                 ]

@@ -1,6 +1,6 @@
 """The host KV tier's pieces on their own: the node store (index, files, LRU bound, two
-models, several processes, a writer that dies), the block plan's saves and loads, and the
-connector's answer to vLLM's external-hit query."""
+models, several processes, a writer that dies), the block plan's saves, loads and exports
+(prefill/decode disaggregation), and the connector's answers to vLLM."""
 
 from __future__ import annotations
 
@@ -136,6 +136,44 @@ def test_the_device_copy_wins_when_it_holds_as_much(tmp_path) -> None:
     assert [c.tokens for c in copies] == [384] and m.take_host_work() == ([], [])
 
 
+def test_an_export_saves_each_segments_full_blocks_the_tier_lacks(tmp_path) -> None:
+    """Prefill/decode disaggregation: a prompt's full vLLM blocks, segment by segment, from
+    the blocks it owns; nothing of a partial last block, nothing the tier already holds."""
+    t = tier(tmp_path, capacity=10**7)
+    m = OuterBlockManager(FLASH, lambda gone: None, t)
+    h = hashes("p", 5)  # FLASH: segments of 2 vLLM blocks
+    m.admit("p", h, 0, 5 * 128 + 40)
+    first, second, third = m.table("p")
+    assert m.export("p", h, 5 * 128 + 40) == [
+        HostSave(first, 0, 256, tuple(h[:2])),
+        HostSave(second, 256, 256, tuple(h[2:4])),
+        HostSave(third, 512, 128, tuple(h[4:5])),
+    ]
+    t.put(256, h[2:4], 256, b"kv")  # already there: not saved again
+    assert [s.start for s in m.export("p", h, 5 * 128 + 40)] == [0, 512]
+    assert OuterBlockManager(FLASH, lambda gone: None).export("p", h, 640) == []  # no tier
+
+
+def test_a_prompt_is_exported_after_its_last_chunk_by_role_or_request() -> None:
+    """A prefill engine (``kv_producer``) exports every prompt, an engine of another role
+    a request carrying vLLM's ``do_remote_decode``; only once the whole prompt is computed."""
+    from rbln_ray.vllm_plugin.scheduler import RBLNScheduler
+
+    def request(computed: int, params: dict | None = None) -> types.SimpleNamespace:
+        return types.SimpleNamespace(
+            num_computed_tokens=computed, num_prompt_tokens=300, kv_transfer_params=params
+        )
+
+    def exports(producer: bool, req: types.SimpleNamespace, connector: object = True) -> bool:
+        scheduler = types.SimpleNamespace(_producer=producer, connector=connector)
+        return RBLNScheduler._exports(scheduler, req)
+
+    assert exports(True, request(300)) and not exports(True, request(256))
+    assert not exports(False, request(300)) and not exports(True, request(300), None)
+    assert exports(False, request(300, {"do_remote_decode": True}))
+    assert not exports(False, request(300, {"do_remote_decode": False}))
+
+
 # ------------------------------------------------------------------ the connector
 def test_the_connector_counts_what_the_plan_can_place(tmp_path) -> None:
     """Segment by segment from the device's hit, each from an entry starting there, and
@@ -159,3 +197,11 @@ def test_the_connector_counts_what_the_plan_can_place(tmp_path) -> None:
     assert connector.get_num_new_matched_tokens(request(640), 256) == (256, False)
     assert connector.get_num_new_matched_tokens(request(512), 0) == (384, False)  # last token
     assert connector.get_num_new_matched_tokens(request(640), 128) == (384, False)
+    # what a prefill engine's answer says of a request it exported (vLLM's kv_transfer_params)
+    connector._exported = {}
+    connector.exported("r", 256)
+    connector.exported("r", 128)  # preempted and prefilled again: its further blocks
+    done = types.SimpleNamespace(request_id="r")
+    params = {"do_remote_prefill": True, "host_tier": tmp_path.name, "exported_tokens": 384}
+    assert connector.request_finished(done, []) == (False, params)
+    assert connector.request_finished(done, []) == (False, None)  # told once

@@ -1,14 +1,17 @@
 """The host KV tier (``kv_transfer_config: RBLNHostKVConnector``) through ``vllm.LLM``, token-exact
 against transformers: prompts whose prefixes the device had to drop come back from host memory
-instead of being computed again; prefixes under two ``cache_salt`` values never share."""
+instead of being computed again; prefixes under two ``cache_salt`` values never share; a
+prefill engine hands its prompts' KV to a decode engine."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
-from tests.helpers import compiled_model, greedy_request
+from rbln_ray.models import build_tiny_model
+from tests.helpers import compiled_model, greedy_request, hf_greedy, run_script
 from tests.vllm_plugin.test_prefix_caching import run_exact
 
 pytestmark = pytest.mark.slow
@@ -65,3 +68,42 @@ def test_two_cache_salts_never_share_a_tier_entry(tmp_path) -> None:
     stats = result["stats"]
     assert stats["host_loads"] == 1 and stats["host_load_tokens"] == 256  # salt x's prefix
     assert stats["prefix_reused_tokens"] == 256  # salt y reused nothing
+
+
+def test_a_prefill_engine_hands_its_prompts_kv_to_a_decode_engine(tmp_path) -> None:
+    """Prefill/decode disaggregation through the tier, as vLLM's P/D proxies drive it: a
+    prefill engine (``kv_role: kv_producer``) runs each prompt for one token and exports its
+    KV to the node's tier before that token leaves the engine; its answer's
+    ``kv_transfer_params`` say so. A decode engine (``kv_consumer``) on the same tier then
+    loads every full block of each prompt instead of computing it, and decodes on: the first
+    token and the whole output equal transformers'. (Which requests export:
+    tests/unit/test_pd_exports.py.)"""
+    rng = random.Random(21)
+    prompts = [[rng.randrange(1, 4096) for _ in range(300 + 40 * i)] for i in range(4)]
+    full = [len(p) // 128 * 128 for p in prompts]  # 2, 2, 2 and 3 full 128-token blocks
+    model = compiled_model("llama", attn_impl="flash_attn")
+
+    def engine(role: str, max_tokens: int) -> dict:
+        kwargs = tier_kwargs(tmp_path)
+        kwargs["kv_transfer_config"]["kv_role"] = role
+        requests = [greedy_request(p, max_tokens) for p in prompts]
+        return {"model": str(model), "requests": requests, "rpc": ["step_stats"],
+                "llm_kwargs": kwargs, "metrics": ["vllm:external_prefix_cache"]}  # fmt: skip
+
+    runs = run_script("rbln_llm_run.py", json.dumps({"runs": [
+        engine("kv_producer", 1), engine("kv_consumer", 8)]}))["runs"]  # fmt: skip
+    prefill, decode = runs
+    hf_dir = build_tiny_model(family="llama")
+    expected = [hf_greedy(hf_dir, [p], 8)[0] for p in prompts]
+    outputs = [o[0] for o in prefill["outputs"]]
+    assert [o["token_ids"] for o in outputs] == [e[:1] for e in expected]
+    assert [o["kv_transfer_params"] for o in outputs] == [
+        {"do_remote_prefill": True, "host_tier": tmp_path.name, "exported_tokens": n} for n in full
+    ]
+    stats = prefill["rpc"]["step_stats"][0]
+    assert stats["host_saves"] == 4 and stats["host_save_tokens"] == sum(full)
+    assert [o[0]["token_ids"] for o in decode["outputs"]] == expected
+    stats = decode["rpc"]["step_stats"][0]
+    assert stats["host_loads"] == 4 and stats["host_load_tokens"] == sum(full)
+    assert stats["host_load_failures"] == 0
+    assert decode["metrics"]["vllm:external_prefix_cache_hits"] == sum(full)
