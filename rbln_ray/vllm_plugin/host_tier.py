@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -90,13 +91,33 @@ class HostKVTier:
         self.capacity_bytes = int(capacity_bytes)
         self.model = model
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._db = sqlite3.connect(self.root / "index.sqlite", timeout=30, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=OFF")  # tmpfs: nothing survives a reboot anyway
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
         self._db.executescript(_SCHEMA)
 
+    @property
+    def _db(self) -> sqlite3.Connection:
+        """This thread's connection to the index. Per thread: a worker opens the tier in the
+        thread that loads its model and steps it in another, and an SQLite connection may
+        only be used by one thread at a time."""
+        db = getattr(self._local, "db", None)
+        if db is None:
+            path = self.root / "index.sqlite"  # closed by close(), from any thread:
+            db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=OFF")  # tmpfs: nothing survives a reboot anyway
+            self._local.db = db
+            with self._lock:
+                self._connections.append(db)
+        return db
+
     def close(self) -> None:
-        self._db.close()
+        with self._lock:
+            for db in self._connections:
+                db.close()
+            self._connections.clear()
+        self._local = threading.local()
 
     # ------------------------------------------------------------------ queries
     def segment_hit(self, hashes: Sequence[Hashable], start: int) -> TierHit | None:

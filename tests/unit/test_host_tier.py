@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import types
 
 import pytest
@@ -49,6 +50,19 @@ def test_the_size_bound_holds_by_evicting_the_least_recently_used(tmp_path) -> N
     assert t.read(first, 128) is not None and t.read(third, 128) is not None
     with pytest.raises(ValueError, match="exceeds"):
         t.put(0, hashes("e", 1), 128, b"x" * 10 * PAYLOAD)
+
+
+def test_every_thread_of_a_process_uses_the_tier(tmp_path) -> None:
+    """A worker opens the tier in the thread that loads its model and steps it in another:
+    each thread gets its own connection to the index (SQLite's are per thread)."""
+    t = tier(tmp_path)
+    t.put(0, hashes("a", 3), 384, b"x" * PAYLOAD)
+    found: list = []
+    thread = threading.Thread(target=lambda: found.append(t.segment_hit(hashes("a", 3), 0)))
+    thread.start()
+    thread.join()
+    assert [hit.blocks for hit in found] == [3]
+    t.close()
 
 
 def _writer(root: str, tag: str, n: int) -> None:
