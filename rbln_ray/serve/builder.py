@@ -27,6 +27,7 @@ from rbln_ray.serve.config import (
     RequestLimits,
     load_config,
 )
+from rbln_ray.serve.disaggregation import PrefillPool, pools, prefill_deployment_name
 from rbln_ray.serve.ingress import OpenAIIngress
 from rbln_ray.serve.lora_models import adapter_bases
 from rbln_ray.serve.naming import server_deployment_name
@@ -137,9 +138,11 @@ def build_server(
     cfg: ModelDeploymentConfig,
     routing: str = "load_aware",
     limits: RequestLimits | None = None,
+    name: str | None = None,
 ) -> Application:
+    """The ``LLMServer`` deployment of ``cfg`` (named ``name``, default the model's)."""
     options: dict[str, Any] = {
-        "name": server_deployment_name(cfg.name),
+        "name": name or server_deployment_name(cfg.name),
         "placement_group_bundles": server_bundles(cfg),
         "placement_group_strategy": cfg.placement_strategy,
         "max_ongoing_requests": replica_max_ongoing(cfg),
@@ -198,7 +201,8 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
     from rbln_ray.serve.vllm_args import serve_namespace
 
     for m in config.models:  # vLLM's own checks of each model's options, before any replica
-        serve_namespace(m.model, m.name, m.vllm_kwargs())
+        for deployment in pools(m) if m.pd else (m,):
+            serve_namespace(deployment.model, deployment.name, deployment.vllm_kwargs())
     if ray.is_initialized():  # inside the cluster (serve deploy/run): fail fast if infeasible
         wait_placeable(
             [
@@ -207,7 +211,16 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
                 for m in config.models
             ]
         )  # fmt: skip
-    servers = {m.name: build_server(m, config.routing, config.limits) for m in config.models}
+    servers, prefill_servers = {}, {}
+    for m in config.models:
+        if m.pd is None:
+            servers[m.name] = build_server(m, config.routing, config.limits)
+            continue
+        prefill, decode = pools(m)
+        servers[m.name] = build_server(decode, config.routing, config.limits)
+        name = prefill_deployment_name(m.name)
+        handle = build_server(prefill, config.routing, config.limits, name)
+        prefill_servers[m.name] = PrefillPool(handle, m.pd.prefill_timeout_s)
     # Late-bound: each ingress replica builds its app (vLLM's routes) in
     # OpenAIIngress.__serve_build_asgi_app__.
     ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
@@ -225,4 +238,5 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
         config.cors_allowed_origins,
         bases,
         config.ingress.unhealthy_after_stall_s,
+        prefill_servers,
     )

@@ -154,6 +154,18 @@ class IngressConfig(_Strict):
         return self
 
 
+class DisaggregationConfig(_Strict):
+    """Prefill/decode disaggregation of one model (:mod:`rbln_ray.serve.disaggregation`):
+    ``prefill_replicas`` replicas compute prompts and hand their KV over through the node's
+    host KV tier to ``decode_replicas`` replicas, which stream the answers."""
+
+    prefill_replicas: int = Field(ge=1)
+    decode_replicas: int = Field(ge=1)
+    # How long the ingress waits for a prompt's prefill (a dead or restarting prefill pool
+    # holds requests in Serve's queue) before the decode pool computes the prompt itself.
+    prefill_timeout_s: float = Field(default=30.0, gt=0)
+
+
 # ModelDeploymentConfig fields that are `vllm serve` options of the same name.
 SERVE_FIELDS = ("chat_template", "tool_call_parser", "enable_auto_tool_choice", "reasoning_parser")
 
@@ -171,6 +183,8 @@ class ModelDeploymentConfig(PlacementSettings):
     compile: CompileSettings = Field(default_factory=CompileSettings)
     num_replicas: int | None = Field(default=None, ge=1)
     autoscaling_config: dict[str, Any] | None = None
+    # Prefill and decode on separate replicas (instead of num_replicas / autoscaling_config).
+    pd: DisaggregationConfig | None = None
     pipeline_stages: int = Field(default=1, ge=1)
     devices_per_worker: int | None = Field(default=None, ge=1)
     # Default: 2 x the compiled batch (see builder.replica_max_ongoing).
@@ -207,8 +221,30 @@ class ModelDeploymentConfig(PlacementSettings):
     @model_validator(mode="after")
     def _replicas(self) -> ModelDeploymentConfig:
         what = f"model {self.name}"
+        if self.pd is not None:
+            self._check_disaggregation()
+            return self
         self.num_replicas = replica_count(self.num_replicas, self.autoscaling_config, what)
         return self
+
+    def _check_disaggregation(self) -> None:
+        """A ``pd`` model's settings that cannot work, refused at load with the reason."""
+        from rbln_ray.vllm_plugin.host_kv_connector import CONNECTOR
+
+        what = f"model {self.name}"
+        if self.num_replicas is not None or self.autoscaling_config is not None:
+            raise ValueError(
+                f"{what}: pd sets its replica counts (prefill_replicas, decode_replicas); "
+                "drop num_replicas / autoscaling_config"
+            )
+        if self.pipeline_stages != 1:
+            raise ValueError(f"{what}: pd hands KV over through the host KV tier, which serves "
+                             "single-stage engines; drop pipeline_stages")  # fmt: skip
+        kv = self.engine_kwargs.get("kv_transfer_config") or {}
+        connector = kv.get("kv_connector", CONNECTOR)
+        if connector != CONNECTOR:
+            raise ValueError(f"{what}: pd hands KV over through {CONNECTOR}, not {connector!r} "
+                             "(engine_kwargs.kv_transfer_config)")  # fmt: skip
 
     @model_validator(mode="after")
     def _one_value_per_option(self) -> ModelDeploymentConfig:

@@ -37,6 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rbln_ray.serve.disaggregation import PD_PATHS, PrefillPool, prefill_first
 from rbln_ray.serve.http_call import (
     HTTPCall,
     forwarded_headers,
@@ -318,6 +319,7 @@ class OpenAIIngress:
         cors_allowed_origins: list[str] | None = None,
         lora_bases: dict[str, str] | None = None,
         stall_s: float | None = None,
+        prefill_servers: dict[str, PrefillPool] | None = None,
     ) -> None:
         from ray import serve
 
@@ -335,6 +337,7 @@ class OpenAIIngress:
             cors_allowed_origins,
             lora_bases,
             stall_s,
+            prefill_servers,
         )
 
     def configure(
@@ -348,15 +351,18 @@ class OpenAIIngress:
         cors_allowed_origins: list[str] | None = None,
         lora_bases: dict[str, str] | None = None,
         stall_s: float | None = None,
+        prefill_servers: dict[str, PrefillPool] | None = None,
     ) -> None:
         """Set the ingress up (its constructor's work without a Serve replica: tests);
         ``stall_s``: the config's ``ingress.unhealthy_after_stall_s`` (its default when
-        None)."""
+        None); ``prefill_servers``: the prefill pools of disaggregated models
+        (:mod:`rbln_ray.serve.disaggregation`)."""
         from rbln_ray.serve.config import IngressConfig
 
         self.cors_allowed_origins = list(cors_allowed_origins or ())
         self.limits = limits
         self.servers = servers
+        self.prefill_servers = dict(prefill_servers or {})
         self.max_model_lens = dict(max_model_lens or {})
         self.image_models = set(image_models or ())
         self.lora_bases = dict(lora_bases or {})
@@ -530,6 +536,8 @@ class OpenAIIngress:
         found = parse_response_id(previous) if isinstance(previous, str) else None
         replica = found[1] if found and self.tags.get(found[0]) == model else None
         call = self._call(raw, await raw.body(), routing_prefix(body), replica)
+        if model in self.prefill_servers and path in PD_PATHS:
+            await prefill_first(self.prefill_servers[model], call, body, model)
         return await self.relay(model, call)
 
     async def forward_upload(self, raw: Request) -> Response:

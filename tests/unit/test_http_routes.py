@@ -447,6 +447,49 @@ def test_back_pressure_is_429_and_a_dead_replica_is_retried_once(ingress_app, mo
     assert servers["m"].failures == []
 
 
+def test_a_disaggregated_model_prefills_on_its_prefill_pool_first(vllm_app) -> None:
+    """A completion or chat of a ``pd`` model: its prefill pool computes the prompt for one
+    token first (vLLM's ``do_remote_decode``), then the decode pool gets the request as
+    sent; other routes go to the decode pool only; a prefill that fails costs nothing but
+    the handover (the decode pool answers from the prompt)."""
+    from rbln_ray.serve.disaggregation import PrefillPool
+    from rbln_ray.serve.ingress import OpenAIIngress, build_ingress_app
+
+    decode, prefill = FakeServer("m", vllm_app), FakeServer("m", vllm_app)
+    ingress = OpenAIIngress.__new__(OpenAIIngress)
+    pool = PrefillPool(prefill, timeout_s=30)
+    ingress.configure({"m": decode}, KEY, LIMITS, {"m": 100}, [], "app",
+                      prefill_servers={"m": pool})  # fmt: skip
+    app = build_ingress_app(ingress)
+    body = {"model": "m", "prompt": "hello", "max_tokens": 5, "stream": True, "logprobs": 1}
+    r = post(app, "/v1/completions", body)
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    (asked,) = prefill.calls
+    assert json.loads(asked.body) == {"model": "m", "prompt": "hello", "max_tokens": 1,
+                                      "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+    assert json.loads(decode.calls[-1].body) == body  # the client's request, as sent
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    post(app, "/v1/chat/completions", chat)
+    assert len(prefill.calls) == 2 and json.loads(prefill.calls[-1].body)["max_tokens"] == 1
+    post(app, "/tokenize", {"model": "m", "prompt": "hi"})  # (the stub app has no tokenizer)
+    assert decode.calls[-1].path == "/tokenize" and len(prefill.calls) == 2  # decode pool only
+    prefill.failures = [RuntimeError("prefill replica died")]
+    r = post(app, "/v1/completions", {"model": "m", "prompt": "hello"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "olleh"
+    assert prefill.failures == [] and len(prefill.calls) == 3
+
+    # a pool that never answers (every replica restarting): the wait is bounded
+    async def never():
+        await asyncio.Event().wait()
+        yield  # an async generator
+
+    stuck = types.SimpleNamespace(http=types.SimpleNamespace(remote=lambda c: FakeStream(never())))
+    stuck.options = lambda **_: stuck
+    ingress.prefill_servers["m"] = PrefillPool(stuck, timeout_s=0.2)
+    r = post(app, "/v1/completions", {"model": "m", "prompt": "hello"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "olleh"
+
+
 def test_media_of_every_route_is_checked(ingress_app) -> None:
     """Images in chat messages, Responses input and Anthropic blocks reach the media
     policy (a text model refuses them all)."""

@@ -255,3 +255,43 @@ def test_the_demo_model_resolves_in_one_place_with_one_recipe(monkeypatch, tmp_p
     cfg = load_config({"models": [{"name": "d", "model": "demo", "compile": {"batch_size": 2}}]})
     assert compiled_batch_size(cfg.models[0]) == 2
     assert compiled_max_seq_len(cfg.models[0]) == demo.DEMO_COMPILE["max_seq_len"]
+
+
+def test_a_disaggregated_model_is_two_pools_of_the_host_tier(tmp_path) -> None:
+    """``pd`` gives a model a prefill pool (``kv_producer``) and a decode pool
+    (``kv_consumer``), both on the host tier's connector with the model's own tier settings;
+    settings that cannot work fail at load, saying why."""
+    from rbln_ray.serve.disaggregation import pools, prefill_body
+
+    tier = {"kv_connector": "RBLNHostKVConnector", "kv_connector_extra_config": {"host_gib": 2}}
+    model = {"name": "demo", "model": "demo", "pd": {"prefill_replicas": 2, "decode_replicas": 3}}
+    (cfg,) = load_config({"models": [model]}).models
+    prefill, decode = pools(cfg)
+    assert (prefill.num_replicas, decode.num_replicas) == (2, 3)
+    assert prefill.pd is None and decode.pd is None
+    roles = [p.vllm_kwargs()["kv_transfer_config"] for p in (prefill, decode)]
+    assert roles == [{"kv_connector": "RBLNHostKVConnector", "kv_role": role}
+                     for role in ("kv_producer", "kv_consumer")]  # fmt: skip
+    (sized,) = load_config(
+        {"models": [{**model, "engine_kwargs": {"kv_transfer_config": tier}}]}
+    ).models
+    assert pools(sized)[1].vllm_kwargs()["kv_transfer_config"] == {**tier, "kv_role": "kv_consumer"}
+    wrong = {
+        "pd sets its replica counts": {"num_replicas": 2},
+        "single-stage engines": {"pipeline_stages": 2},
+        "not 'OffloadingConnector'": {
+            "engine_kwargs": {"kv_transfer_config": {"kv_connector": "OffloadingConnector"}}
+        },
+    }
+    for message, extra in wrong.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_config({"models": [{**model, **extra}]})
+    with pytest.raises(ValueError, match="decode_replicas"):
+        load_config({"models": [{**model, "pd": {"prefill_replicas": 1}}]})
+    # the prefill pool's request: the prompt as sent (a chat's tools too), one token
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [],
+            "stream": True, "n": 2, "max_completion_tokens": 50, "logprobs": True}  # fmt: skip
+    assert prefill_body(chat) == {
+        "model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [],
+        "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True},
+    }  # fmt: skip
