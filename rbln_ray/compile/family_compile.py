@@ -53,6 +53,9 @@ def compile_model(hf_dir: str | Path, out_dir: str | Path, settings: CompileSett
         settings = family.compile_settings(settings.with_max_seq_len(hf_config))
     except ValueError as exc:
         raise CompileConfigError(f"{hf_dir}: {exc}") from None
+    refusals = family.refusals(hf_config)
+    if refusals:
+        raise CompileConfigError(f"{hf_dir} ({family.architecture}): " + "; ".join(refusals))
     for caveat in family.caveats(hf_config):
         logger.warning("%s (%s): %s", hf_dir, family.architecture, caveat)
     rbln_extra, hf_kwargs = family.compile_options(hf_config)

@@ -125,6 +125,9 @@ class DecoderFamily(Family):
     checkpoint_dtype: bool = False
     # config.json keys optimum-rbln 0.12 compiles without error but does not honour -> why
     ignored_config: Mapping[str, str] = field(default_factory=dict)
+    # config.json keys that, set (to anything but 0, false or null), cannot be served -> why
+    # (refused at compile, naming the key)
+    refused_config: Mapping[str, str] = field(default_factory=dict)
     tiny: TinyRecipe = field(default_factory=lambda: TinyRecipe("LlamaConfig"))
     # Compiled LoRA adapters (rbln_ray.compile.lora) and pre-quantized checkpoints
     # (rbln_ray.compile.quantization), verified for the family by tests/emulator/
@@ -172,6 +175,11 @@ class DecoderFamily(Family):
             full,
         )
         return settings.model_copy(update={"decoder_batch_sizes": full})
+
+    def refusals(self, hf_config: Mapping[str, Any]) -> list[str]:
+        """Why a model with this ``config.json`` is not served (nothing: it is)."""
+        return [f"{key}={hf_config[key]!r} is refused: {why}"
+                for key, why in self.refused_config.items() if hf_config.get(key)]  # fmt: skip
 
     def caveats(self, hf_config: Mapping[str, Any]) -> list[str]:
         """Config values optimum-rbln 0.12 compiles without error but does not honour."""
@@ -453,6 +461,61 @@ _FAMILIES: tuple[Family, ...] = (
                 "query_pre_attn_scalar": HEAD_DIM,
                 "sliding_window": WINDOW,
                 "layer_types": HYBRID,
+            },
+        ),
+    ),
+    _zoo(
+        "gemma4",
+        "Gemma4ForCausalLM",
+        "RBLNGemma4ForCausalLM",
+        "gemma4_text",
+        attention="hybrid",
+        softcap="final logits",
+        prefill_resumable=False,  # as Gemma3's (the same chunked multimodal prefill)
+        # as Gemma3's (RBLNGemma4ForCausalLMConfig also requires the attention mask); without
+        # embeddings on the host optimum-rbln 0.12 never computes the per-layer inputs (it
+        # saves embed_tokens_per_layer only with use_inputs_embeds)
+        compile_extra={
+            "phases": ["prefill", "image_prefill", "decode"],
+            "use_inputs_embeds": True,
+            "use_attention_mask": True,
+        },
+        refused_config={
+            "num_kv_shared_layers": "optimum-rbln 0.12 compiles no KV sharing across layers "
+            "(transformers builds the shared layers without K and V projections, and "
+            "optimum's attention needs them): Gemma 4 E2B and E4B set it",
+            "enable_moe_block": "optimum-rbln 0.12 compiles Gemma 4's experts with "
+            "custom_moe_glu(hidden_act='gelu'), transformers runs them with tanh-approximated "
+            "GELU; which one the ATOM kernel computes is not known here (the emulator's exact "
+            "GELU gives logits 1.3e-3 away from transformers' on a tiny model): Gemma 4 "
+            "26B-A4B sets it",
+        },
+        notes="text-only, as the dense checkpoint (31B: full layers with their own head size "
+        "and K=V); per-layer inputs compile too, but the checkpoints with them (E2B, E4B) "
+        "share KV across layers; prompts are prefilled whole",
+        tiny=TinyRecipe(
+            "Gemma4TextConfig",
+            {
+                "head_dim": HEAD_DIM,
+                "global_head_dim": "$head_dim_x2",
+                "num_global_key_value_heads": 1,
+                "attention_k_eq_v": True,
+                "hidden_size_per_layer_input": 16,
+                "vocab_size_per_layer_input": "$vocab_size",
+                "num_kv_shared_layers": 0,
+                "enable_moe_block": False,
+                "sliding_window": WINDOW,
+                "layer_types": HYBRID,
+                "final_logit_softcapping": 30.0,
+                "tie_word_embeddings": True,
+                "rope_parameters": {
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                    "full_attention": {
+                        "rope_type": "proportional",
+                        "partial_rotary_factor": 0.25,
+                        "rope_theta": 1_000_000.0,
+                    },
+                },
             },
         ),
     ),
@@ -912,8 +975,6 @@ UNSUPPORTED: dict[str, str] = {
     "'exaone'), so no tiny model can be built here to verify it",
     "MidmLMHeadModel": "RBLNMidmLMHeadModel compiles Mi:dm, whose modeling code is Hub remote "
     "code only (no 'midm' in transformers 5.15.1), so no tiny model can be built here",
-    "Gemma4ForCausalLM": "RBLNGemma4ForCausalLM (per-layer inputs, heterogeneous KV caches) is "
-    "outside this zoo's scope",
     # vision-language
     "Qwen3_5MoeForConditionalGeneration": "optimum-rbln 0.12 has no RBLNQwen3_5Moe class",
     "Qwen3_5MoeForCausalLM": "optimum-rbln 0.12 has no RBLNQwen3_5Moe class",

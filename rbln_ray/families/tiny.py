@@ -67,6 +67,8 @@ def derived_values(shape: Any) -> dict[str, Any]:
     window = shape.sliding_window or DEFAULT_WINDOW
     return {
         "head_dim": shape.hidden_size // shape.num_heads,
+        "head_dim_x2": 2 * (shape.hidden_size // shape.num_heads),
+        "vocab_size": shape.vocab_size,
         "hidden_size": shape.hidden_size,
         "hidden_x4": 4 * shape.hidden_size,
         "num_heads": shape.num_heads,

@@ -8,6 +8,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,6 +149,27 @@ def test_qwen3_5_compiles_flash_attention_only(
     assert DECODERS["qwen3_5_text"].refused_attn["eager"] in err, err
     assert "attn_impl='eager' is refused" in err and "Traceback" not in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("key", ["num_kv_shared_layers", "enable_moe_block"])
+def test_gemma4_checkpoints_it_cannot_serve_are_refused_naming_why(
+    key: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Gemma 4 E2B/E4B (KV shared across layers) and 26B-A4B (experts): refused with the
+    record's reason before anything is compiled (optimum-rbln 0.12 would fail deep in its
+    attention, or compile experts of another activation)."""
+    os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
+    from rbln_ray.models import build_tiny_model
+
+    hf = tmp_path / "hf"
+    shutil.copytree(build_tiny_model(family="gemma4"), hf)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, key: 2 if "layers" in key else True}))
+    out = tmp_path / "out"
+    assert cli_main(["compile", str(hf), str(out), "--max-seq-len", "512"]) == 2
+    err = capsys.readouterr().err
+    assert f"{key}=" in err and DECODERS["gemma4"].refused_config[key] in err, err
+    assert "Traceback" not in err and not out.exists()
 
 
 def test_compile_of_a_rejected_config_value_is_a_clear_error(
