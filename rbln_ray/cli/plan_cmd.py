@@ -8,6 +8,7 @@
     rbln-ray plan --model llama-3-8b --lora-adapters 4 --max-lora-rank 16 ...
     rbln-ray plan --model llama-3-8b --input-len 3000 --output-len 128 --rate 4 --host-gib 64
     rbln-ray plan --model llama-3-8b --input-len 2048 --output-len 80 --rate 12 --simulate
+    rbln-ray plan --model llama-3-8b --input-len 3000 --output-len 200 --rate 1 --pd
 
 Estimates come from the cost model of the chosen device (ATOM by default, or
 REBEL; rbln_ray.npu.cost_model lists which figures are published and which are
@@ -26,12 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from rbln_ray.npu import kinds
 from rbln_ray.npu.cost_model import PRESETS, SPECS, DeviceSpec, ModelShape, shape_from_spec
 from rbln_ray.planning import Limits, Plan, Workload, compiled_shape, plan, shape_from_dims
+from rbln_ray.planning import disaggregation as pd_advice
 from rbln_ray.planning.host_tier import HostTierSizing, describe, size_host_tier
 
 
@@ -70,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--host-ms-per-step", type=float, default=0.0)
     w.add_argument(
         "--host-gib", type=float, help="host KV tier per node (GiB): what it holds, and costs"
+    )
+    w.add_argument(
+        "--pd", action="store_true", help="advise prefill and decode pools (Serve config `pd`)"
     )
     h = p.add_argument_group(
         "hardware model (default: the device's figures; see rbln_ray/npu/cost_model.py)"
@@ -378,19 +383,37 @@ def host_tier(result: Plan, args: argparse.Namespace) -> HostTierSizing | None:
     )
 
 
+def disaggregation(result: Plan, args: argparse.Namespace) -> pd_advice.DisaggregationAdvice | None:
+    """``--pd``: prefill and decode pools of the chosen option's replicas."""
+    chosen = result.chosen
+    if not args.pd or chosen is None:
+        return None
+    spec = device_spec(args)
+    return pd_advice.advise(
+        with_flags(_shape(args), args), args.input_len, args.output_len, args.rate,
+        args.utilization, chosen.devices_per_worker, chosen.batch, chosen.prefill_ms / 1e3,
+        chosen.decode_step_ms / 1e3, kinds.kind_by_name(spec.name).prefill_chunk, spec,
+    )  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     result = build(args)
     sim = simulate(result, args) if args.simulate else None
     tier = host_tier(result, args)
+    pd = disaggregation(result, args)
     if args.json:
         extra = {"simulation": sim} if sim else {}
         if tier is not None:
             extra["host_tier"] = tier.to_dict()
+        if pd is not None:
+            extra["disaggregation"] = asdict(pd)
         print(json.dumps({**result.to_dict(), **extra}, indent=2))
     else:
         print(render(result, show_all=args.all))
         if tier is not None:
             print(describe(tier))
+        if pd is not None and result.chosen is not None:
+            print(pd_advice.describe(pd, result.chosen.cards, result.chosen.tpot_ms))
         if sim is not None:
             print(render_simulation(sim))
     if sim is not None and sim.get("replicas") is None:

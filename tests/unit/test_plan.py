@@ -192,3 +192,32 @@ def test_host_tier_sizing_for_a_node(capsys) -> None:
     assert tier["prefill_ms"] > 100 * tier["load_ms"]
     assert plan_main(args[:-1]) == 0
     assert "host KV tier: 64 GiB per node holds 524,288 tokens" in capsys.readouterr().out
+
+
+def test_pd_advice_splits_pools_by_their_device_time(capsys) -> None:
+    """``--pd``: a prefill-heavy workload (3,500 in / 32 out) needs more of a prefill
+    replica per request than of a decode replica, a decode-heavy one (200 in / 1,024 out) the
+    reverse; the decode pool's TPOT is one decode step, below the co-located plan's (whose
+    TPOT carries the batch's prefills); the pools grow with the rate."""
+
+    def advice(input_len: int, output_len: int, rate: float) -> tuple[dict, dict]:
+        args = ["--model", "llama-3-8b", "--input-len", str(input_len), "--output-len",
+                str(output_len), "--rate", str(rate), "--batch-sizes", "4", "--pd",
+                "--json"]  # fmt: skip
+        assert plan_main(args) == 0
+        out = json.loads(capsys.readouterr().out)
+        return out["disaggregation"], out["chosen"]
+
+    heavy, chosen = advice(3500, 32, 1)
+    assert heavy["prefill_s_per_request"] > heavy["decode_s_per_request"]
+    assert heavy["prefill_replicas"] > heavy["decode_replicas"]
+    assert heavy["prefill_s_per_request"] > chosen["prefill_ms"] / 1e3  # plus the export
+    assert heavy["tpot_ms"] == chosen["decode_step_ms"] < chosen["tpot_ms"]
+    light, _ = advice(200, 1024, 1)
+    assert light["decode_s_per_request"] > 10 * light["prefill_s_per_request"]
+    assert light["decode_replicas"] > light["prefill_replicas"]
+    more, _ = advice(3500, 32, 4)
+    assert more["prefill_replicas"] > heavy["prefill_replicas"]
+    assert plan_main(["--model", "llama-3-8b", "--input-len", "3000", "--output-len", "128",
+                      "--rate", "1", "--pd"]) == 0  # fmt: skip
+    assert "prefill/decode disaggregation (Serve config `pd`)" in capsys.readouterr().out
