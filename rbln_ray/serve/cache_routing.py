@@ -39,9 +39,8 @@ Per replica that is the wait for a decode slot (a replica running ``B`` requests
 compiled batch, frees one every ``service / B`` seconds, and the request waits for as many as
 are ahead of it) plus the prefill of the prompt tokens past the prefix it holds (tokens its
 node's host tier holds cost a transfer instead: :data:`HOST_LOAD_FRACTION` of a prefill).
-(Prefills
-ahead of it on a replica with free slots are not priced: requests of a burst sharing a
-prefix then wait for its one prefill on one replica instead of each prefilling it on
+(Prefills ahead of it on a replica with free slots are not priced: requests of a burst
+sharing a prefix then wait for its one prefill on one replica instead of each prefilling it on
 another, which would be sooner for each and slower for all.) So a turn stays where its
 history is cached unless waiting there costs more than prefilling that history elsewhere: a
 slot wait of a few seconds is worth a 3,000-token miss, a 100-token miss is not worth any

@@ -92,7 +92,9 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return kept | {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
 
 
-async def prefill_first(pool: PrefillPool, call: HTTPCall, body: dict[str, Any], model: str):
+async def prefill_first(
+    pool: PrefillPool, call: HTTPCall, body: dict[str, Any], model: str
+) -> None:
     """Have the prefill pool compute ``call``'s prompt into the host tier; return when it
     has, or has failed or timed out (then the decode replica computes the prompt, module
     docstring)."""
