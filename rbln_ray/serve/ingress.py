@@ -62,10 +62,8 @@ logger = logging.getLogger(__name__)
 
 HEALTH_CACHE_S = 1.0  # how long one Serve status answers /health probes
 # How long a probe waits for Serve's status: a controller that is restarting (Ray's memory
-# monitor may kill it; max_restarts brings it back) answers nothing until it is back. Well
-# under the 5 s read timeout probe clients commonly use (httpx's default), so a slow
-# controller is a prompt 503 to them, never a timed-out probe.
-HEALTH_TIMEOUT_S = 2.0
+# monitor may kill it; max_restarts brings it back) answers nothing until it is back.
+HEALTH_TIMEOUT_S = 5.0
 BODY_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
 # Fields that may hold several prompts (completions, embeddings, scores, rerank, pooling).
 PROMPT_FIELDS = ("prompt", "input", "text_1", "text_2", "data_1", "data_2", "queries",
