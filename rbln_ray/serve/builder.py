@@ -200,8 +200,9 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
     config = load_config(args)
     from rbln_ray.serve.vllm_args import serve_namespace
 
+    pd_pools = {m.name: pools(m) for m in config.models if m.pd}  # (prefill, decode)
     for m in config.models:  # vLLM's own checks of each model's options, before any replica
-        for deployment in pools(m) if m.pd else (m,):
+        for deployment in pd_pools.get(m.name, (m,)):
             serve_namespace(deployment.model, deployment.name, deployment.vllm_kwargs())
     if ray.is_initialized():  # inside the cluster (serve deploy/run): fail fast if infeasible
         wait_placeable(
@@ -216,7 +217,7 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
         if m.pd is None:
             servers[m.name] = build_server(m, config.routing, config.limits)
             continue
-        prefill, decode = pools(m)
+        prefill, decode = pd_pools[m.name]
         servers[m.name] = build_server(decode, config.routing, config.limits)
         name = prefill_deployment_name(m.name)
         handle = build_server(prefill, config.routing, config.limits, name)

@@ -35,6 +35,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rbln_ray.serve.naming import server_deployment_name
+
 if TYPE_CHECKING:
     from rbln_ray.serve.config import ModelDeploymentConfig
     from rbln_ray.serve.http_call import HTTPCall
@@ -62,8 +64,6 @@ OUTPUT_ONLY = frozenset(
 
 def prefill_deployment_name(model_name: str) -> str:
     """The prefill pool's deployment of a disaggregated model."""
-    from rbln_ray.serve.naming import server_deployment_name
-
     return f"{server_deployment_name(model_name)}:prefill"
 
 

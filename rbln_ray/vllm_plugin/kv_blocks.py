@@ -299,19 +299,12 @@ class OuterBlockManager:
         self.record(req_id, hashes, end_tokens)
         return copies, start
 
-    def export(self, req_id: str, hashes: Sequence[Hashable], tokens: int) -> list[HostSave]:
-        """Saves of the full vLLM blocks of ``req_id``'s first ``tokens`` tokens that the
-        tier does not hold yet, segment by segment (run after the step that computes them)."""
-        if self._host is None:
-            return []
-        k, full = self.layout.per_outer, min(len(hashes), tokens // self.layout.inner_size)
-        saves = []
-        for j, index in enumerate(self._owned.get(req_id, ())):
-            chain = tuple(hashes[j * k : min((j + 1) * k, full)])
-            start = j * self.layout.outer_size
-            if chain and not self._host.holds(chain, start):
-                saves.append(HostSave(index, start, len(chain) * self.layout.inner_size, chain))
-        return saves
+    def export(self, req_id: str) -> list[HostSave]:
+        """Saves of what ``req_id``'s blocks hold as recorded (:meth:`record`: its full vLLM
+        blocks so far) that the tier does not hold yet, segment by segment (run after the step
+        that computes them)."""
+        saves = (self._host_save(self._outers[i]) for i in self._owned.get(req_id, ()))
+        return [save for save in saves if save is not None]
 
     def take_host_work(self) -> tuple[list[HostSave], list[HostLoad]]:
         """The host tier saves and loads planned since the last call (one step's)."""
@@ -379,13 +372,20 @@ class OuterBlockManager:
     def _spill(self, outer: _Outer) -> None:
         """Plan saving a free block's cached chain to the host tier before it is lost
         (unless the tier already holds it)."""
-        if self._host is None or not outer.chain or outer.owner is not None:
-            return
+        save = self._host_save(outer) if outer.owner is None else None
+        if save is not None:
+            self._saves.append(save)
+
+    def _host_save(self, outer: _Outer) -> HostSave | None:
+        """A save of ``outer``'s cached chain to the host tier, unless there is nothing to
+        save or the tier already holds it."""
+        if self._host is None or not outer.chain:
+            return None
         start = outer.segment * self.layout.outer_size
         if self._host.holds(outer.chain, start):
-            return
+            return None
         tokens = len(outer.chain) * self.layout.inner_size
-        self._saves.append(HostSave(outer.index, start, tokens, tuple(outer.chain)))
+        return HostSave(outer.index, start, tokens, tuple(outer.chain))
 
     def _fresh(self, req_id: str, segment: int, reserved: set[int]) -> int:
         """A free block for a new segment: one with nothing cached, else the least recently

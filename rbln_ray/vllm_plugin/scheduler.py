@@ -395,7 +395,7 @@ class _RBLNScheduling:
             if self.slots is not None:
                 plan.slots[req_id] = self.slots.slot(req_id)
             if kind == "prefill" and self._exports(request):
-                exports = manager.export(req_id, request.block_hashes, request.num_prompt_tokens)
+                exports = manager.export(req_id)  # recorded above: the whole prompt's blocks
                 plan.host_exports.extend(exports)
                 self.connector.exported(req_id, sum(e.tokens for e in exports))
         if kind in ("decode", "verify") or (self.spec_lookahead and kind == "prefill"):

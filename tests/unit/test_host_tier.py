@@ -158,14 +158,16 @@ def test_an_export_saves_each_segments_full_blocks_the_tier_lacks(tmp_path) -> N
     h = hashes("p", 5)  # FLASH: segments of 2 vLLM blocks
     m.admit("p", h, 0, 5 * 128 + 40)
     first, second, third = m.table("p")
-    assert m.export("p", h, 5 * 128 + 40) == [
+    assert m.export("p") == [
         HostSave(first, 0, 256, tuple(h[:2])),
         HostSave(second, 256, 256, tuple(h[2:4])),
         HostSave(third, 512, 128, tuple(h[4:5])),
     ]
     t.put(256, h[2:4], 256, b"kv")  # already there: not saved again
-    assert [s.start for s in m.export("p", h, 5 * 128 + 40)] == [0, 512]
-    assert OuterBlockManager(FLASH, lambda gone: None).export("p", h, 640) == []  # no tier
+    assert [s.start for s in m.export("p")] == [0, 512]
+    untiered = OuterBlockManager(FLASH, lambda gone: None)
+    untiered.admit("p", h, 0, 640)
+    assert untiered.export("p") == []  # no tier
 
 
 def test_a_prompt_is_exported_after_its_last_chunk_by_role_or_request() -> None:
