@@ -56,7 +56,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -215,10 +215,6 @@ def rbln_ray_cluster(args: argparse.Namespace) -> Iterator[int]:
 def deploy(compiled: Path, system: str, args: argparse.Namespace, port: int) -> str:
     """The Serve app of ``system`` on ``compiled``, deployed afresh (replicas started anew:
     their caches empty), with every node's host tier emptied."""
-    from ray import serve
-
-    from rbln_ray.serve import APP_NAME, build_app, load_config
-
     engine: dict[str, Any] = {
         "additional_config": {"rbln_decode_steps_between_chunks": args.decode_steps}
     }
@@ -230,12 +226,35 @@ def deploy(compiled: Path, system: str, args: argparse.Namespace, port: int) -> 
         }
     model = {"name": MODEL, "model": str(compiled), "num_replicas": args.replicas,
              "engine_kwargs": engine}  # fmt: skip
-    config = load_config({"port": port, "routing": ROUTING[system], "models": [model]})
+    return deploy_model(model, ROUTING[system], port)
+
+
+def deploy_model(model: dict[str, Any], routing: str, port: int) -> str:
+    """The app serving ``model`` (a config's model entry) with ``routing``, deployed afresh
+    (replicas started anew: their caches empty), with every node's host tier emptied."""
+    from ray import serve
+
+    from rbln_ray.serve import APP_NAME, build_app, load_config
+
+    config = load_config({"port": port, "routing": routing, "models": [model]})
     with contextlib.suppress(Exception):  # none deployed yet
         serve.delete(APP_NAME)
     empty_tiers()
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     return f"http://127.0.0.1:{port}"
+
+
+def fresh_app(start: Callable[[], str]) -> Callable[[], Any]:
+    """:func:`run_rates`'s fresh state: the app ``start()`` deploys, once ready,
+    and Ray's counters."""
+
+    @contextlib.contextmanager
+    def fresh() -> Iterator[tuple[str, Any]]:
+        url = start()
+        asyncio.run(wait_ready(url, 900))
+        yield url, ray_counters
+
+    return fresh
 
 
 def empty_tiers() -> None:
@@ -352,13 +371,20 @@ def vllm_rbln_behind_haproxy(
 
 # ------------------------------------------------------------------ one system, every rate
 def run_rates(
-    system: str, fresh: Any, source: TextSource, args: argparse.Namespace
+    system: str,
+    fresh: Any,
+    source: TextSource,
+    args: argparse.Namespace,
+    rates: list[float] | None = None,
+    spec_of: Callable[[float, int], WorkloadSpec] | None = None,
 ) -> dict[str, Any]:
-    """Every rate of ``system``'s grid, each from a fresh state: ``fresh()`` is a context
-    that starts (or resets) the system and yields its URL and its counters' reader."""
+    """Every rate of ``system``'s grid (``rates``, default ``--rates[-<system>]``), each
+    from a fresh state: ``fresh()`` is a context that starts (or resets) the system and
+    yields its URL and its counters' reader; ``spec_of(rate, i)`` is the ``i``-th rate's
+    workload (default this benchmark's sessions, seed ``100 + i``)."""
     out = {}
-    for i, rate in enumerate(rates_of(system, args)):
-        spec = workload_spec(args, rate, seed=100 + i)
+    for i, rate in enumerate(rates or rates_of(system, args)):
+        spec = spec_of(rate, i) if spec_of else workload_spec(args, rate, seed=100 + i)
         sessions = build_workload(source, spec, tag=f"r{rate:g}")
         with fresh() as (url, counters):
             before = counters()
@@ -665,12 +691,8 @@ def main(argv: list[str] | None = None) -> int:
             for system in rbln:
                 print(f"== ({system}) {SYSTEMS[system]}", flush=True)
 
-                @contextlib.contextmanager
-                def fresh(system: str = system) -> Iterator[tuple[str, Any]]:
-                    url = deploy(compiled, system, args, port)  # replicas started anew
-                    asyncio.run(wait_ready(url, 900))
-                    yield url, ray_counters
-
+                # replicas started anew
+                fresh = fresh_app(lambda s=system: deploy(compiled, s, args, port))
                 results[system] = run_rates(system, fresh, source, args)
     if "b" in systems:
         print(f"== (b) {SYSTEMS['b']}", flush=True)

@@ -34,8 +34,6 @@ capacity pd's TPOT p99 <= 1.25 x its p50; no request fails.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import os
 import sys
 import time
@@ -49,15 +47,12 @@ from benchmarks.cluster_goodput import (
     capacity,
     compiled_model,
     deploy,
-    empty_tiers,
-    hit_rates,
-    ray_counters,
+    deploy_model,
+    fresh_app,
     rbln_ray_cluster,
-    settled_at,
-    ttft_over_time,
+    run_rates,
 )
-from benchmarks.loadgen import wait_ready
-from benchmarks.sessions import TextSource, WorkloadSpec, build_workload, run_sessions, summarise
+from benchmarks.sessions import TextSource, WorkloadSpec
 
 GOAL_CAPACITY_RATIO = 1.5
 GOAL_TPOT_SPREAD = 1.25
@@ -77,10 +72,6 @@ def workload_spec(args: argparse.Namespace, rate: float, seed: int) -> WorkloadS
 
 def deploy_pd(compiled: Path, split: tuple[int, int], args: argparse.Namespace, port: int) -> str:
     """The disaggregated app, deployed afresh with every node's host tier emptied."""
-    from ray import serve
-
-    from rbln_ray.serve import APP_NAME, build_app, load_config
-
     prefill, decode = split
     engine = {
         "additional_config": {"rbln_decode_steps_between_chunks": args.decode_steps},
@@ -89,50 +80,7 @@ def deploy_pd(compiled: Path, split: tuple[int, int], args: argparse.Namespace, 
     }  # fmt: skip
     pd = {"prefill_replicas": prefill, "decode_replicas": decode}
     model = {"name": MODEL, "model": str(compiled), "pd": pd, "engine_kwargs": engine}
-    config = load_config({"port": port, "routing": "cache_aware", "models": [model]})
-    with contextlib.suppress(Exception):  # none deployed yet
-        serve.delete(APP_NAME)
-    empty_tiers()
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-    return f"http://127.0.0.1:{port}"
-
-
-def run_rates(label: str, start: Any, source: TextSource, rates: list[float],
-              args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
-    """Every rate of one system, each from a freshly deployed app (``start()``: its URL)."""
-    out = {}
-    for i, rate in enumerate(rates):
-        sessions = build_workload(source, workload_spec(args, rate, seed=200 + i), f"r{rate:g}")
-        url = start()
-        asyncio.run(wait_ready(url, 900))
-        before = ray_counters()
-        wall = asyncio.run(
-            run_sessions(url, MODEL, sessions, args.duration, desc=f"({label}) {rate:g} req/s")
-        )
-        time.sleep(3)  # vLLM's counters reach Ray's export within its 1 s interval
-        begin = settled_at(sessions, args.warmup, args.duration)
-        res = summarise(sessions, (begin, args.duration), args.ttft_slo_s, args.tpot_slo_ms / 1e3)
-        res |= {"rate": rate, "sessions": len(sessions), "wall_s": wall,
-                "window_s": [begin, args.duration],
-                "ttft_over_time": ttft_over_time(sessions, args.duration),
-                "prefix_cache": hit_rates(before, ray_counters()),
-                "loadavg_after": os.getloadavg()}  # fmt: skip
-        out[f"{rate:g}"] = res
-        _print(label, rate, res)
-    return out
-
-
-def _print(label: str, rate: float, r: dict) -> None:
-    if not r.get("completed"):
-        print(f"   ({label}) {rate:g} req/s: nothing completed {r}", flush=True)
-        return
-    print(
-        f"   ({label}) {rate:5g} req/s: SLO met {r['slo_attainment']:.0%}, goodput "
-        f"{r['goodput_req_per_s']:.2f}, TTFT p50/p99 {r['ttft_ms']['p50']:.0f}/"
-        f"{r['ttft_ms']['p99']:.0f} ms, TPOT p50/p99 {r['tpot_ms']['p50']:.0f}/"
-        f"{r['tpot_ms']['p99']:.0f} ms, failed {r['failed']}",
-        flush=True,
-    )
+    return deploy_model(model, "cache_aware", port)
 
 
 def goals(co: dict, pd: dict) -> dict[str, Any]:
@@ -221,17 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     with rbln_ray_cluster(args) as port:
         print(f"== co: {args.replicas} co-located replicas", flush=True)
 
-        def co_app() -> str:
-            return deploy(compiled, "a", args, port)  # cluster_goodput's (a): cache-aware
+        def spec_of(rate: float, i: int) -> WorkloadSpec:
+            return workload_spec(args, rate, seed=200 + i)
 
-        co = run_rates("co", co_app, source, rates_co, args)
+        # cluster_goodput's (a): cache-aware
+        co_app = fresh_app(lambda: deploy(compiled, "a", args, port))
+        co = run_rates("co", co_app, source, args, rates_co, spec_of)
         for split in splits:
             label = f"{split[0]}:{split[1]}"
             print(f"== pd {label}", flush=True)
-            splits_out[label] = run_rates(
-                f"pd {label}", lambda s=split: deploy_pd(compiled, s, args, port), source,
-                rates_pd, args,
-            )  # fmt: skip
+            pd_app = fresh_app(lambda s=split: deploy_pd(compiled, s, args, port))
+            splits_out[label] = run_rates(f"pd {label}", pd_app, source, args, rates_pd, spec_of)
     best = max(splits_out, key=lambda k: capacity(splits_out[k]) or 0.0)
     results = {"co": co, "pd": splits_out[best], "pd_splits": splits_out}
     g = goals(co, splits_out[best])
