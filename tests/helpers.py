@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -60,16 +61,26 @@ def run_python(
     ``full_env``). ``check``: it must exit 0 and print a result (else the assertion shows
     its output tails).
     """
-    proc = subprocess.run(
+    # A session of its own, so a timeout ends the whole tree (a script's vLLM engine cores
+    # own Ray actors: left alive, they would hold devices the next test waits for).
+    with subprocess.Popen(
         [str(python), *argv],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         cwd=cwd,
+        start_new_session=True,
         env=full_env
         if full_env is not None
         else {**os.environ, "RBLN_RAY_DEVICE": "emulated", **(env or {})},
-    )
+    ) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            os.killpg(popen.pid, signal.SIGKILL)
+            exc.stdout, exc.stderr = popen.communicate()
+            raise
+    proc = subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
     result = result_json(proc.stdout, tag)
     if check:
         assert proc.returncode == 0 and result is not None, (

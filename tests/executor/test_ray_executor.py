@@ -66,7 +66,7 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def run_script(address: str, spec: dict, timeout: float = 300) -> dict:
+def run_script(address: str, spec: dict, timeout: float = 600) -> dict:
     return run_engine_script(SCRIPT, address, spec, timeout)
 
 
