@@ -74,6 +74,8 @@ _VARS = (
            "timing mode: tensor-parallel efficiency over several devices"),
     EnvVar("RBLN_RAY_TIMING_SYNC_US", float, None,
            "timing mode: per-layer synchronisation cost across devices, us"),
+    EnvVar("RBLN_RAY_TIMING_NETWORK_GBITS", float, None,
+           "timing mode: node-to-node network, Gbit/s (KV handed between nodes)"),
     # Serve's HTTP proxies' guard (rbln_ray.serve.proxy_guard): the Serve config's `limits`,
     # handed to the proxies; typed, bounded and defaulted there (RequestLimits).
     EnvVar("RBLN_RAY_MAX_REQUEST_BYTES", str, None, "proxy guard: limits.max_request_bytes"),

@@ -50,6 +50,7 @@ from rbln_ray.npu.cost_model import (
     call_cost,
     copy_cost,
     host_transfer_cost,
+    network_transfer_cost,
     shape_from_spec,
 )
 
@@ -275,6 +276,25 @@ def _model_shape(cm: Any) -> ModelShape:
         f"timing mode cannot find the model config of {cm!r}; set RBLN_RAY_TIMING_SHAPE to a "
         f"preset ({', '.join(sorted(PRESETS))}) or a config.json path"
     )
+
+
+def network_seconds(model_dir: str | Path, tokens: int) -> float:
+    """Modelled seconds for ``tokens`` of the compiled model's KV over the node-to-node network
+    (prefill/decode disaggregation across nodes): 0 in compute mode, which runs at host speed,
+    so that no timing or modelled benchmark gets a handover between nodes for free."""
+    if emulator_mode() == "compute":
+        return 0.0
+    directory = Path(model_dir)
+    override = timing_shape_override(directory.name)
+    if override:
+        shape = shape_from_spec(override)
+    else:
+        config = json.loads((directory / "config.json").read_text())
+        shape = ModelShape.from_hf_config(config, name=directory.name)
+    rbln_config = directory / RBLN_CONFIG
+    if rbln_config.is_file():
+        shape = shape.with_rbln_config(json.loads(rbln_config.read_text()))
+    return network_transfer_cost(shape, tokens, DeviceSpec.from_env())
 
 
 def sleep_until(deadline: float) -> None:

@@ -50,10 +50,16 @@ host link                  PCIe 5.0 x16: 63 GB/s   PCIe 5.0 x16: 63 GB/s per dir
                            lanes, 128b/130b, PCI-
                            SIG's PCIe 5.0 spec)
 host link efficiency       0.8 (assumption)        0.8 (assumption)
+node-to-node network       100 Gb/s: 12.5 GB/s     100 Gb/s (assumption, both: one 100 GbE
+                                                   port per host, the common datacenter
+                                                   NIC; set RBLN_RAY_TIMING_NETWORK_GBITS)
+network efficiency         0.8 (assumption)        0.8 (assumption)
 =========================  ======================  ======================================
 
 The host link carries the KV a host tier moves (``host_transfer_cost``: the
-``_fetch_kv_cache`` / ``_update_kv_cache`` of one RBLN block's cached prefix).
+``_fetch_kv_cache`` / ``_update_kv_cache`` of one RBLN block's cached prefix); the network
+carries a prompt's KV from a prefill replica's node to a decode replica's on another node
+(``network_transfer_cost``, prefill/decode disaggregation).
 
 Overrides (environment, all optional; they apply to whichever kind is emulated):
 
@@ -65,6 +71,7 @@ Overrides (environment, all optional; they apply to whichever kind is emulated):
 ``RBLN_RAY_TIMING_CALL_US``            fixed cost per runtime call (launch, sync)
 ``RBLN_RAY_TIMING_TP_EFF``             efficiency of a shard group of N > 1 devices
 ``RBLN_RAY_TIMING_SYNC_US``            per-layer cross-device sync cost when N > 1
+``RBLN_RAY_TIMING_NETWORK_GBITS``      node-to-node network, Gbit/s
 =====================================  ==============================================
 """
 
@@ -109,6 +116,8 @@ class DeviceSpec:
     name: str = kinds.ATOM.family
     host_link_bytes_per_s: float = 63e9  # PCIe 5.0 x16, one direction
     host_link_eff: float = 0.8
+    network_bytes_per_s: float = 12.5e9  # 100 Gb/s Ethernet (module table)
+    network_eff: float = 0.8
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, kind: str | None = None) -> DeviceSpec:
@@ -128,6 +137,9 @@ class DeviceSpec:
             call_overhead_s=get("RBLN_RAY_TIMING_CALL_US", base.call_overhead_s, 1e-6),
             tp_eff=get("RBLN_RAY_TIMING_TP_EFF", base.tp_eff),
             sync_per_layer_s=get("RBLN_RAY_TIMING_SYNC_US", base.sync_per_layer_s, 1e-6),
+            network_bytes_per_s=get(
+                "RBLN_RAY_TIMING_NETWORK_GBITS", base.network_bytes_per_s, 1e9 / 8
+            ),
         )
 
     def as_dict(self) -> dict[str, float]:
@@ -559,6 +571,16 @@ def host_transfer_cost(shape: ModelShape, tokens: int, spec: DeviceSpec | None =
     spec = spec or DeviceSpec()
     nbytes = tokens * shape.kv_bytes_per_token
     return nbytes / (spec.host_link_bytes_per_s * spec.host_link_eff) + spec.call_overhead_s
+
+
+def network_transfer_cost(
+    shape: ModelShape, tokens: int, spec: DeviceSpec | None = None
+) -> float:
+    """Seconds to send ``tokens`` slots of KV (every layer's K and V) from one node's host
+    memory to another's over the network: a prompt's KV handed from a prefill replica to a
+    decode replica on another node."""
+    spec = spec or DeviceSpec()
+    return tokens * shape.kv_bytes_per_token / (spec.network_bytes_per_s * spec.network_eff)
 
 
 def copy_cost(shape: ModelShape, tokens: int, spec: DeviceSpec | None = None) -> float:

@@ -21,9 +21,11 @@ refused (back-pressure), whose replica dies, or that does not answer within
 queue) only means the decode replica computes the prompt itself, as a co-located replica
 would, with the same answer.
 
-Limits: the KV crosses one node's tier, so a decode replica on another node than the
-prefill replica that served a prompt computes it itself (correct, not faster); a model's
-pools are single-stage engines with paged KV (the host tier's own limits).
+Across nodes, the decode replica first has the prompt's KV fetched from the prefill
+replica's node into its own node's tier through Ray's object transfer
+(:mod:`rbln_ray.serve.kv_handover`), by what the prefill's answer names
+(``kv_transfer_params``, which the ingress forwards). Limits: a model's pools are
+single-stage engines with paged KV (the host tier's own limits).
 """
 
 from __future__ import annotations
@@ -94,21 +96,23 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 async def prefill_first(
     pool: PrefillPool, call: HTTPCall, body: dict[str, Any], model: str
-) -> None:
-    """Have the prefill pool compute ``call``'s prompt into the host tier; return when it
-    has, or has failed or timed out (then the decode replica computes the prompt, module
-    docstring)."""
+) -> HTTPCall:
+    """Have the prefill pool compute ``call``'s prompt into the host tier; return the decode
+    pool's call once it has (carrying the prefill's ``kv_transfer_params``, as vLLM's P/D
+    proxies forward them: where the KV is, for a decode replica on another node), or has
+    failed or timed out (then the decode replica computes the prompt, module docstring).
+    A client's own ``kv_transfer_params`` never reach the decode pool."""
     prefill = dataclasses.replace(call, body=json.dumps(prefill_body(body)).encode())
     stream = pool.handle.options(stream=True).http.remote(prefill)
 
-    async def answer() -> int:
+    async def answer() -> tuple[int, bytes]:
         first = await stream.__anext__()
-        async for _ in stream:  # the rest of its (one-token) answer
-            pass
-        return first.status
+        rest = [chunk async for chunk in stream]  # the rest of its (one-token) answer
+        return first.status, first.body + b"".join(rest)
 
+    params = None
     try:
-        status = await asyncio.wait_for(answer(), pool.timeout_s)
+        status, text = await asyncio.wait_for(answer(), pool.timeout_s)
     except asyncio.CancelledError:  # the client left: so does its prefill
         stream.cancel()
         raise
@@ -117,7 +121,25 @@ async def prefill_first(
         reason = "timed out" if isinstance(exc, TimeoutError) else type(exc).__name__
         logger.warning("model %s: prefill pool failed (%s: %s); decoding from the prompt",
                        model, reason, str(exc).split("\n", 1)[0])  # fmt: skip
-        return
-    if status != 200:
-        logger.info("model %s: prefill pool answered %d; decoding from the prompt",
-                    model, status)  # fmt: skip
+    else:
+        if status == 200:
+            params = answer_params(text)
+        else:
+            logger.info("model %s: prefill pool answered %d; decoding from the prompt",
+                        model, status)  # fmt: skip
+    decode = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    if params is not None:
+        decode["kv_transfer_params"] = params
+    if decode == body:
+        return call
+    return dataclasses.replace(call, body=json.dumps(decode).encode())
+
+
+def answer_params(text: bytes) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` of a prefill's (non-streamed) answer, if it has them."""
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return None
+    params = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
+    return params if isinstance(params, dict) else None

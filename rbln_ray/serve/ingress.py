@@ -535,7 +535,7 @@ class OpenAIIngress:
         replica = found[1] if found and self.tags.get(found[0]) == model else None
         call = self._call(raw, await raw.body(), routing_prefix(body), replica)
         if model in self.prefill_servers and path in PD_PATHS:
-            await prefill_first(self.prefill_servers[model], call, body, model)
+            call = await prefill_first(self.prefill_servers[model], call, body, model)
         return await self.relay(model, call)
 
     async def forward_upload(self, raw: Request) -> Response:

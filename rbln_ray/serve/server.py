@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from rbln_ray.serve.config import ModelDeploymentConfig, RequestLimits
+from rbln_ray.serve.disaggregation import PD_PATHS
 from rbln_ray.serve.http_call import HTTPCall, HTTPStart
+from rbln_ray.serve.kv_handover import handover_for, transfer_params
 
 logger = logging.getLogger(__name__)
 
@@ -172,9 +174,10 @@ class LLMServer:
         self.cfg = self.cfg.model_copy(update={"compile": compile_settings})
         args = engine_namespace(self.cfg, model_path, limits_cfg)
         # a host KV tier (kv_transfer_config: RBLNHostKVConnector) is this node's
-        args.kv_transfer_config = on_node(
-            args.kv_transfer_config, ray.get_runtime_context().get_node_id()
-        )
+        node_id = ray.get_runtime_context().get_node_id()
+        args.kv_transfer_config = on_node(args.kv_transfer_config, node_id)
+        # a decode pool's replica fetches KV a prefill replica exported on another node
+        self._handover = handover_for(args.kv_transfer_config, args.model, node_id)
         self._kv_events = None
         self._service_times = None
         stat_loggers: list[Any] = [RayPrometheusStatLogger]
@@ -283,6 +286,8 @@ class LLMServer:
         if unserved is not None:
             yield unserved
             return
+        if self._handover is not None and call.path in PD_PATHS:
+            await self._handover.receive(transfer_params(call.body))
         stream = run(self.app, self._stamp_response_id(call))
         try:
             try:

@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from rbln_ray.vllm_plugin.host_tier import DEFAULT_ROOT, HostKVTier, model_key
+from rbln_ray.vllm_plugin.host_tier import DEFAULT_ROOT, HostKVTier, hash_bytes, model_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,17 +76,28 @@ def tier_settings(kv: Any) -> tuple[Path, int] | None:
     gib = float(extra.get("host_gib", DEFAULT_HOST_GIB))
     if gib <= 0:
         raise ValueError(f"{CONNECTOR}: host_gib must be positive, not {gib}")
-    return Path(extra.get("root") or DEFAULT_ROOT), int(gib * (1 << 30))
+    return tier_root(extra), int(gib * (1 << 30))
+
+
+def tier_root(extra: dict[str, Any], node_id: str | None = None) -> Path:
+    """Where a connector config (its ``kv_connector_extra_config``) keeps the tier on Ray node
+    ``node_id`` (default: the node :func:`on_node` recorded): its ``root`` when it gives one
+    (the same path on every node), else a directory per node, so the replicas of one node
+    share its tier, another node's are its own, and several raylets on one machine stay apart
+    as nodes of a cluster would."""
+    if extra.get("root"):
+        return Path(extra["root"])
+    node = node_id or extra.get("node_id")
+    return DEFAULT_ROOT / node if node else DEFAULT_ROOT
 
 
 def on_node(kv_transfer_config: Any, node_id: str) -> Any:
-    """``kv_transfer_config`` with the tier's ``root`` named after ``node_id`` unless given:
-    the replicas of one Ray node share its tier, another node's are its own (and several
-    raylets on one machine stay apart as nodes of a cluster would)."""
+    """``kv_transfer_config`` of an engine on Ray node ``node_id``: the node is recorded, for
+    :func:`tier_root` and for a prefill's answer (where its KV is)."""
     if kv_transfer_config is None or kv_transfer_config.kv_connector != CONNECTOR:
         return kv_transfer_config
     extra = dict(kv_transfer_config.kv_connector_extra_config or {})
-    extra.setdefault("root", str(DEFAULT_ROOT / node_id))
+    extra["node_id"] = node_id
     kv_transfer_config.kv_connector_extra_config = extra
     return kv_transfer_config
 
@@ -124,6 +135,8 @@ class RBLNHostKVConnector(KVConnectorBase_V1):
         self._per_outer = 1
         self._outer_size = self.block_size
         self._exported: dict[str, int] = {}  # request -> prompt tokens its prefill exported
+        kv = vllm_config.kv_transfer_config
+        self.node_id = ((kv.kv_connector_extra_config or {}) if kv else {}).get("node_id")
 
     def set_layout(self, outer_size: int, per_outer: int) -> None:
         """The RBLN block plan's sizes (the scheduler sets them: loads fill whole segments)."""
@@ -169,13 +182,20 @@ class RBLNHostKVConnector(KVConnectorBase_V1):
         """A prefill engine's answer carries what a decode engine needs, in vLLM's
         ``kv_transfer_params`` (the response field P/D proxies forward): the prompt's KV is in
         the node's tier by now (saved before the step's output left the workers), so the
-        device blocks need not wait, and the decode engine finds it by the prompt's own block
-        hashes."""
+        device blocks need not wait. A decode engine on the same node finds it by the
+        prompt's own block hashes; one on another node has it fetched first, by the node and
+        the hashes named here (:mod:`rbln_ray.serve.kv_handover`)."""
         tokens = self._exported.pop(request.request_id, None)
         if tokens is None:
             return False, None
-        tier = self.tier.root.name if self.tier is not None else None
-        return False, {"do_remote_prefill": True, "host_tier": tier, "exported_tokens": tokens}
+        blocks = request.block_hashes[: tokens // self.block_size]
+        return False, {
+            "do_remote_prefill": True,
+            "host_tier": str(self.tier.root) if self.tier is not None else None,
+            "node_id": self.node_id,
+            "exported_tokens": tokens,
+            "block_hashes": [hash_bytes(h).hex() for h in blocks],
+        }
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return RBLNHostKVMetadata()

@@ -83,6 +83,17 @@ class TierHit:
     blocks: int
 
 
+@dataclass(frozen=True)
+class KVRecord:
+    """One entry as it travels between nodes' tiers: the KV of ``tokens`` tokens from
+    position ``start`` and the vLLM block hashes it holds (in order, as stored)."""
+
+    start: int
+    tokens: int
+    hashes: tuple[bytes, ...]
+    payload: bytes
+
+
 class HostKVTier:
     """One node's tier (module docstring). Every method may be called from any process."""
 
@@ -148,17 +159,22 @@ class HostKVTier:
 
     def held_hashes(self, hashes: Sequence[Hashable]) -> set[bytes]:
         """Which of ``hashes`` some entry of this model holds (at any position)."""
+        return {bytes(h) for h in self._blocks_holding("hash", hashes)}
+
+    def _blocks_holding(self, column: str, hashes: Sequence[Hashable]) -> set:
+        """``column`` (``hash`` or ``entry``) of this model's block rows with one of
+        ``hashes``."""
         keys = [hash_bytes(h) for h in hashes]
-        held: set[bytes] = set()
+        found: set = set()
         for i in range(0, len(keys), 500):  # SQLite's bound on query parameters
             part = keys[i : i + 500]
             rows = self._db.execute(
-                f"SELECT DISTINCT hash FROM blocks WHERE model = ? AND hash IN "
+                f"SELECT DISTINCT {column} FROM blocks WHERE model = ? AND hash IN "
                 f"({','.join('?' * len(part))})",
                 (self.model, *part),
             )
-            held.update(bytes(h) for (h,) in rows)
-        return held
+            found.update(value for (value,) in rows)
+        return found
 
     def holds(self, hashes: Sequence[Hashable], start: int) -> bool:
         """Whether some entry starting at ``start`` already holds all of ``hashes``."""
@@ -241,6 +257,31 @@ class HostKVTier:
             total -= nbytes
             gone.append(entry)
         return gone
+
+    def records(self, hashes: Sequence[Hashable]) -> list[KVRecord]:
+        """The entries of this model that hold any of ``hashes``, whole (a prompt's KV handed
+        to another node's tier; an entry evicted meanwhile is left out)."""
+        out = []
+        for entry in sorted(self._blocks_holding("entry", hashes)):
+            row = self._db.execute("SELECT start, tokens FROM entries WHERE id = ?", (entry,)
+                                   ).fetchone()  # fmt: skip
+            held = self._db.execute(
+                "SELECT hash FROM blocks WHERE entry = ? ORDER BY pos", (entry,)
+            ).fetchall()
+            payload = self.read(entry, 0) if row else None
+            if row and payload is not None:
+                out.append(KVRecord(row[0], row[1], tuple(bytes(h) for (h,) in held), payload))
+        return out
+
+    def add(self, records: Sequence[KVRecord]) -> int:
+        """Put ``records`` (from another node's :meth:`records`) that this tier does not hold
+        yet; returns the tokens added."""
+        added = 0
+        for record in records:
+            if not self.holds(record.hashes, record.start):
+                self.put(record.start, record.hashes, record.tokens, record.payload)
+                added += record.tokens
+        return added
 
     def clear(self) -> None:
         """Empty the tier (every model's entries): benchmarks start each run from nothing."""

@@ -9,13 +9,19 @@ app itself when run alone):
 1. ``autoscaling_config`` (min 1, max 3): under load Serve scales 1 -> 2, the third replica
    finds no free device and waits (Serve says so in the deployment's status message and the
    controller log), and once idle it scales back to 1, freeing the devices; 0 failed.
-2. ``serve deploy`` of a changed config (``num_replicas: 2``) while traffic runs: every
-   in-flight request finishes, 0 failed.
+2. ``serve deploy`` of a changed config while traffic runs: the model disaggregated
+   (``pd: {prefill_replicas: 1, decode_replicas: 1}``), so its prefill and decode replicas
+   sit on different nodes; every in-flight request finishes, 0 failed, and afterwards long
+   prompts are prefilled on one node, their KV handed to the decode replica's node through
+   Ray's object transfer (:mod:`rbln_ray.serve.kv_handover`), and decoded there into
+   transformers' greedy tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -27,7 +33,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import compiled_model
+from rbln_ray.models import build_tiny_model
+from tests.helpers import compiled_model, hf_greedy
 from tests.ray_cluster import multinode_cluster
 from tests.serve.conftest import free_port
 
@@ -36,6 +43,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 MODEL = "tiny"
 APP = "rbln-ray"
 DEPLOYMENT = f"LLMServer:{MODEL}"
+PREFILL = f"{DEPLOYMENT}:prefill"  # the prefill pool, once the model is disaggregated
 SERVE_CLI = str(Path(sys.executable).parent / "serve")
 # Serve warns about (and reports in the status) replicas waiting for resources after 30 s by
 # default; a short threshold keeps the test short. Read by the Serve controller at start.
@@ -49,6 +57,7 @@ REDEPLOY_DEADLINE_S = 780
 # replica's engine busy on one core and another test file on the other (CI once took > 300 s):
 # a hang guard, checked only after Serve has decided to scale (a separate, short wait).
 SCALE_UP_START_DEADLINE_S = 600
+PD = {"prefill_replicas": 1, "decode_replicas": 1}
 AUTOSCALING = {
     "min_replicas": 1,
     "max_replicas": 3,
@@ -99,13 +108,13 @@ class Cluster:
         assert out.returncode == 0, out.stdout + out.stderr
 
 
-def replicas(state: str = "RUNNING") -> int:
+def replicas(state: str = "RUNNING", deployment: str = DEPLOYMENT) -> int:
     from ray import serve
 
     app = serve.status().applications.get(APP)
-    if app is None or DEPLOYMENT not in app.deployments:
+    if app is None or deployment not in app.deployments:
         return 0
-    return app.deployments[DEPLOYMENT].replica_states.get(state, 0)
+    return app.deployments[deployment].replica_states.get(state, 0)
 
 
 def deployment_message() -> str:
@@ -180,7 +189,10 @@ class Load:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    import ray
     from ray import serve
+
+    from rbln_ray.vllm_plugin.host_tier import DEFAULT_ROOT
 
     model_dir = compiled_model("llama")  # compiled before the cluster starts (cached)
     dashboard_port = free_port()
@@ -202,6 +214,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             yield running
         finally:
             serve.shutdown()
+            for node in ray.nodes():  # the host KV tiers of the disaggregated model
+                shutil.rmtree(DEFAULT_ROOT / node["NodeID"], ignore_errors=True)
 
 
 @pytest.mark.timeout(1800)  # the app start, the scale-up's deadline and the way back down
@@ -242,11 +256,13 @@ def test_autoscaling_up_under_load_waits_for_devices_and_back_down(cluster: Clus
 
 
 @pytest.mark.timeout(1200)  # the redeploy's own deadline, and the traffic around it
-def test_redeploy_under_load_loses_no_request(cluster: Cluster) -> None:
-    """``serve deploy`` of a changed replica count (autoscaling -> ``num_replicas: 2``) while
-    traffic runs. The app's ``args`` change, so Serve rebuilds it and replaces every replica
-    (ingress included) one by one: old ones drain what they hold while new ones start."""
+def test_redeploy_under_load_loses_no_request_and_hands_kv_across_nodes(cluster: Cluster) -> None:
+    """``serve deploy`` of a disaggregated model (autoscaling -> ``pd``) while traffic runs.
+    The app's ``args`` change, so Serve rebuilds it and replaces every replica (ingress
+    included): old ones drain what they hold while new ones start. One device per node, so
+    the prefill and decode replicas are on different nodes: long prompts' KV crosses them."""
     import ray
+    from ray import serve
 
     if not app_running():  # run on its own: the autoscaling app the first test leaves
         cluster.deploy({"model": str(cluster.model_dir), "autoscaling_config": AUTOSCALING})
@@ -254,11 +270,15 @@ def test_redeploy_under_load_loses_no_request(cluster: Cluster) -> None:
     with Load(cluster.url, clients=REDEPLOY_CLIENTS) as load:
         wait_for(lambda: len(load.outcomes) >= 4, 300, "traffic flowing")
         before = len(load.outcomes)
-        cluster.deploy({"model": str(cluster.model_dir), "num_replicas": 2})
+        cluster.deploy({"model": str(cluster.model_dir), "pd": PD})
         wait_for(
-            lambda: replicas() == 2 and app_running() and replicas("STOPPING") == 0,
+            lambda: (
+                replicas() == 1 == replicas(deployment=PREFILL)
+                and app_running()
+                and replicas("STOPPING") == 0
+            ),
             REDEPLOY_DEADLINE_S,
-            "redeployed with 2 replicas",
+            "redeployed as a prefill and a decode replica",
         )
         mark = len(load.outcomes)
         wait_for(lambda: len(load.outcomes) >= mark + 8, 300, "traffic on the new replicas")
@@ -266,3 +286,25 @@ def test_redeploy_under_load_loses_no_request(cluster: Cluster) -> None:
     print(f"redeploy under load: {len(load.outcomes)} requests ({during} during it), 0 failed")
     assert not load.failed, load.failed[:5]
     assert ray.available_resources().get("RBLN", 0) == 0  # both devices held, none leaked
+
+    def stats(deployment: str) -> dict:
+        return serve.get_deployment_handle(deployment, APP).engine_stats.remote().result()
+
+    prefill, decode = stats(PREFILL), stats(DEPLOYMENT)
+    (prefill_node,), (decode_node,) = ({w["node"] for w in s["workers"]} for s in (prefill, decode))
+    assert prefill_node != decode_node
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 4000) for _ in range(rng.randrange(260, 400))] for _ in range(3)]
+    got = []
+    for prompt in prompts:  # 2-3 full 128-token blocks each, exported and handed over
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "return_token_ids": True}  # fmt: skip
+        r = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        got.append(r.json()["choices"][0]["token_ids"])
+    hf_dir = build_tiny_model(family="llama")
+    assert got == [hf_greedy(hf_dir, [p], 12)[0] for p in prompts]
+    # the decode replica loaded every prompt from its own node's tier, which holds them only
+    # because the handover fetched them from the prefill node's
+    loads = stats(DEPLOYMENT)["steps"][0]["host_loads"] - decode["steps"][0]["host_loads"]
+    assert loads == len(prompts), loads

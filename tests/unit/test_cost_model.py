@@ -161,3 +161,19 @@ def test_the_registry_passes_down_which_mlps_have_no_gate() -> None:
         assert shape(f.model_type).gated_mlp == f.gated_mlp, f.name
     assert shape("opt").expert_params == 2 * 8 * 16
     assert shape("llama").expert_params == 3 * 8 * 16
+
+
+def test_a_handover_between_nodes_costs_its_kv_bytes_over_the_network(monkeypatch) -> None:
+    """llama-3-8b's KV is 128 KiB per token: 2,048 tokens (256 MiB) over 100 Gb/s at 0.8 take
+    about 27 ms; the link is set from the environment like the other timing parameters."""
+    from rbln_ray.npu.cost_model import network_transfer_cost
+
+    shape = preset("llama-3-8b")
+    assert shape.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+    assert network_transfer_cost(shape, 2048) == pytest.approx(2048 * 131072 / (12.5e9 * 0.8))
+    monkeypatch.setenv("RBLN_RAY_TIMING_NETWORK_GBITS", "400")
+    fast = DeviceSpec.from_env()
+    assert fast.network_bytes_per_s == 50e9
+    assert network_transfer_cost(shape, 2048, fast) == pytest.approx(
+        network_transfer_cost(shape, 2048) / 4
+    )

@@ -112,6 +112,25 @@ def _die_mid_put(root: str) -> None:
     os.kill(os.getpid(), 9)
 
 
+def test_a_prompts_entries_travel_whole_to_another_nodes_tier(tmp_path) -> None:
+    """What a decode replica on another node imports: every entry holding one of the prompt's
+    hashes (this model's only), added where missing, found there as on the first node."""
+    a, b = tier(tmp_path / "a", capacity=10**6), tier(tmp_path / "b", capacity=10**6)
+    h = hashes("p", 4)
+    a.put(0, h[:2], 256, b"first" * 10)
+    a.put(256, h[2:], 256, b"second" * 10)
+    a.put(0, hashes("q", 2), 256, b"other prompt")
+    tier(tmp_path / "a", model="other").put(0, h[:2], 256, b"other model")
+    records = a.records(h)
+    assert [(r.start, r.tokens, r.hashes) for r in records] == [(0, 256, tuple(h[:2])),
+                                                                (256, 256, tuple(h[2:]))]
+    assert b.add(records) == 512 and b.add(records) == 0  # what it holds is not added again
+    first, second = b.segment_hit(h[:2], 0), b.segment_hit(h[2:], 256)
+    assert first.blocks == second.blocks == 2
+    assert b.read(first.entry, 256) == b"first" * 10 and b.read(second.entry, 256) == b"second" * 10
+    assert b.segment_hit(hashes("q", 2), 0) is None
+
+
 # ------------------------------------------------------------------ the block plan
 def test_a_cached_block_is_saved_before_reuse_and_loaded_back(tmp_path) -> None:
     """Two eager blocks, three prompts: the third takes the least recently used block, whose
@@ -214,10 +233,11 @@ def test_the_connector_counts_what_the_plan_can_place(tmp_path) -> None:
     assert connector.get_num_new_matched_tokens(request(512), 0) == (384, False)  # last token
     assert connector.get_num_new_matched_tokens(request(640), 128) == (384, False)
     # what a prefill engine's answer says of a request it exported (vLLM's kv_transfer_params)
-    connector._exported = {}
+    connector._exported, connector.node_id = {}, "node-a"
     connector.exported("r", 256)
     connector.exported("r", 128)  # preempted and prefilled again: its further blocks
-    done = types.SimpleNamespace(request_id="r")
-    params = {"do_remote_prefill": True, "host_tier": tmp_path.name, "exported_tokens": 384}
+    done = types.SimpleNamespace(request_id="r", block_hashes=h)
+    params = {"do_remote_prefill": True, "host_tier": str(tmp_path), "node_id": "node-a",
+              "exported_tokens": 384, "block_hashes": [x.hex() for x in h[:3]]}  # fmt: skip
     assert connector.request_finished(done, []) == (False, params)
     assert connector.request_finished(done, []) == (False, None)  # told once

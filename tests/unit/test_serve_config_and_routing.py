@@ -295,3 +295,75 @@ def test_a_disaggregated_model_is_two_pools_of_the_host_tier(tmp_path) -> None:
         "model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [],
         "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True},
     }  # fmt: skip
+
+
+def test_the_decode_call_carries_the_prefills_transfer_params_never_the_clients() -> None:
+    """What the ingress sends the decode pool after the prefill hop: the prefill's answer's
+    ``kv_transfer_params`` (where the KV is, for a decode replica on another node) when it
+    answered, the body as the client sent it otherwise, and never the client's own."""
+    import asyncio
+    import json as json_
+
+    from rbln_ray.serve.disaggregation import PrefillPool, prefill_first
+    from rbln_ray.serve.http_call import HTTPCall, HTTPStart
+
+    class Stream:  # what a Serve handle's streaming call yields: HTTPStart, then chunks
+        def __init__(self, items: list) -> None:
+            self.items = items
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if not self.items:
+                raise StopAsyncIteration
+            item = self.items.pop(0)
+            if isinstance(item, Exception):
+                raise item
+            return item
+
+        def cancel(self) -> None:
+            self.items = []
+
+    class Handle:
+        def __init__(self, items: list) -> None:
+            self.items, self.http = items, self
+
+        def options(self, stream: bool):
+            return self
+
+        def remote(self, call: HTTPCall) -> Stream:
+            assert json_.loads(call.body)["max_tokens"] == 1  # the prefill's own call
+            return Stream(list(self.items))
+
+    params = {"do_remote_prefill": True, "node_id": "ab" * 28, "block_hashes": ["00" * 32]}
+    answer = json_.dumps({"choices": [{"text": "x"}], "kv_transfer_params": params}).encode()
+    client = {"model": "m", "prompt": "p", "max_tokens": 8}
+
+    def decode_body(items: list, body: dict) -> dict:
+        call = HTTPCall("POST", "/v1/completions", b"", (), json_.dumps(body).encode())
+        out = asyncio.run(prefill_first(PrefillPool(Handle(items), 5.0), call, body, "m"))
+        return json_.loads(out.body)
+
+    ok = [HTTPStart(200, (), answer[:20], True), answer[20:]]
+    assert decode_body(ok, client) == {**client, "kv_transfer_params": params}
+    forged = {**client, "kv_transfer_params": {"do_remote_prefill": True, "node_id": "cd" * 28}}
+    assert decode_body(ok, forged) == {**client, "kv_transfer_params": params}
+    for failed in ([HTTPStart(503, (), b"{}", False)], [RuntimeError("replica died")]):
+        assert decode_body(failed, client) == client
+        assert decode_body(failed, forged) == client
+
+
+def test_a_handover_is_fetched_only_for_another_nodes_well_formed_export() -> None:
+    from rbln_ray.serve.kv_handover import MAX_BLOCKS, remote_source, transfer_params
+
+    here, there = "a1" * 28, "b2" * 28
+    good = {"do_remote_prefill": True, "node_id": there, "block_hashes": ["0f" * 32] * 3}
+    assert remote_source(good, here) == (there, ["0f" * 32] * 3)
+    assert remote_source({**good, "node_id": here}, here) is None  # the tier is shared
+    for bad in ({**good, "do_remote_prefill": "yes"}, {**good, "node_id": "../../etc"},
+                {**good, "block_hashes": []}, {**good, "block_hashes": ["zz"]},
+                {**good, "block_hashes": ["00"] * (MAX_BLOCKS + 1)}, None, ["x"]):  # fmt: skip
+        assert remote_source(bad, here) is None, bad
+    assert transfer_params(b'{"kv_transfer_params": {"a": 1}}') == {"a": 1}
+    assert transfer_params(b"not json") is None and transfer_params(b"[1]") is None

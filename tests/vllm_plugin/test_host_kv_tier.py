@@ -5,8 +5,10 @@ prefill engine hands its prompts' KV to a decode engine."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import sqlite3
 
 import pytest
 
@@ -97,9 +99,14 @@ def test_a_prefill_engine_hands_its_prompts_kv_to_a_decode_engine(tmp_path) -> N
     expected = [hf_greedy(hf_dir, [p], 8)[0] for p in prompts]
     outputs = [o[0] for o in prefill["outputs"]]
     assert [o["token_ids"] for o in outputs] == [e[:1] for e in expected]
-    assert [o["kv_transfer_params"] for o in outputs] == [
-        {"do_remote_prefill": True, "host_tier": tmp_path.name, "exported_tokens": n} for n in full
-    ]
+    params = [dict(o["kv_transfer_params"]) for o in outputs]
+    named = [p.pop("block_hashes") for p in params]  # the exported blocks, by vLLM's hashes
+    assert params == [{"do_remote_prefill": True, "host_tier": str(tmp_path), "node_id": None,
+                       "exported_tokens": n} for n in full]  # fmt: skip
+    assert [len(h) for h in named] == [n // 128 for n in full]
+    with contextlib.closing(sqlite3.connect(tmp_path / "index.sqlite")) as db:
+        held = {h.hex() for (h,) in db.execute("SELECT hash FROM blocks")}
+    assert {h for hs in named for h in hs} == held
     stats = prefill["rpc"]["step_stats"][0]
     assert stats["host_saves"] == 4 and stats["host_save_tokens"] == sum(full)
     assert [o[0]["token_ids"] for o in decode["outputs"]] == expected
