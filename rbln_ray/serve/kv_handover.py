@@ -104,17 +104,17 @@ class KVHandover:
         )
         try:
             records = await asyncio.wait_for(ref, FETCH_TIMEOUT_S)
+            tokens = sum(r.tokens for r in records)
+            left = network_seconds(self.model_dir, tokens) - (time.perf_counter() - started)
+            if left > 0:
+                await asyncio.sleep(left)
+            return await asyncio.to_thread(self.tier.add, records)
         except Exception as exc:  # noqa: BLE001 - the engine computes the prompt instead
             with contextlib.suppress(Exception):
                 ray.cancel(ref, force=True)
             logger.warning("KV handover from node %s failed (%s: %s); computing the prompt",
                            node[:8], type(exc).__name__, str(exc).split("\n", 1)[0])  # fmt: skip
             return 0
-        tokens = sum(r.tokens for r in records)
-        left = network_seconds(self.model_dir, tokens) - (time.perf_counter() - started)
-        if left > 0:
-            await asyncio.sleep(left)
-        return await asyncio.to_thread(self.tier.add, records)
 
 
 def handover_for(kv_transfer_config: Any, model_dir: str, node_id: str) -> KVHandover | None:

@@ -20,6 +20,7 @@ app itself when run alone):
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import shutil
 import subprocess
@@ -34,6 +35,7 @@ import pytest
 import yaml
 
 from rbln_ray.models import build_tiny_model
+from rbln_ray.serve.http_call import HTTPCall
 from tests.helpers import compiled_model, hf_greedy
 from tests.ray_cluster import multinode_cluster
 from tests.serve.conftest import free_port
@@ -297,14 +299,31 @@ def test_redeploy_under_load_loses_no_request_and_hands_kv_across_nodes(cluster:
     prompts = [[rng.randrange(1, 4000) for _ in range(rng.randrange(260, 400))] for _ in range(3)]
     got = []
     for prompt in prompts:  # 2-3 full 128-token blocks each, exported and handed over
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
-                "return_token_ids": True}  # fmt: skip
-        r = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=300)
+        r = httpx.post(f"{cluster.url}/v1/completions", json=greedy(prompt), timeout=300)
         assert r.status_code == 200, r.text
         got.append(r.json()["choices"][0]["token_ids"])
     hf_dir = build_tiny_model(family="llama")
-    assert got == [hf_greedy(hf_dir, [p], 12)[0] for p in prompts]
+    expected = [hf_greedy(hf_dir, [p], 12)[0] for p in prompts]
+    assert got == expected
     # the decode replica loaded every prompt from its own node's tier, which holds them only
     # because the handover fetched them from the prefill node's
     loads = stats(DEPLOYMENT)["steps"][0]["host_loads"] - decode["steps"][0]["host_loads"]
     assert loads == len(prompts), loads
+
+    # A prefill whose node is gone when its KV is asked for (what the ingress forwards, sent
+    # to the decode pool directly): the fetch fails and the decode replica computes the
+    # prompt itself.
+    gone = {"do_remote_prefill": True, "node_id": "0" * 56, "block_hashes": ["00" * 32] * 2}
+    body = json.dumps({**greedy(prompts[0]), "kv_transfer_params": gone}).encode()
+    handle = serve.get_deployment_handle(DEPLOYMENT, APP).options(stream=True)
+    json_type = ((b"content-type", b"application/json"),)
+    first, *rest = handle.http.remote(
+        HTTPCall("POST", "/v1/completions", headers=json_type, body=body)
+    )
+    assert first.status == 200, first.body
+    assert json.loads(first.body + b"".join(rest))["choices"][0]["token_ids"] == expected[0]
+
+
+def greedy(prompt: list[int]) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "return_token_ids": True}  # fmt: skip
