@@ -253,10 +253,21 @@ def graph_shape(cm: Any) -> ModelShape:
     its rbln_config.json)."""
     shape = _model_shape(cm)
     path = getattr(cm, "path", None)
-    config = Path(path).parent / RBLN_CONFIG if path is not None else None
-    if config is not None and config.is_file():
-        shape = shape.with_rbln_config(json.loads(config.read_text()))
-    return shape
+    return _stored_as(shape, Path(path).parent) if path is not None else shape
+
+
+def _stored_as(shape: ModelShape, directory: Path) -> ModelShape:
+    """``shape`` as the artifact in ``directory`` stores it (its rbln_config.json, if any)."""
+    config = directory / RBLN_CONFIG
+    return shape.with_rbln_config(json.loads(config.read_text())) if config.is_file() else shape
+
+
+def _config_shape(directory: Path) -> ModelShape | None:
+    """The shape of the model whose config.json is in ``directory``, if there is one."""
+    config = directory / "config.json"
+    if not config.is_file():
+        return None
+    return ModelShape.from_hf_config(json.loads(config.read_text()), name=directory.name)
 
 
 def _model_shape(cm: Any) -> ModelShape:
@@ -265,9 +276,9 @@ def _model_shape(cm: Any) -> ModelShape:
         return shape_from_spec(override)
     path = getattr(cm, "path", None)
     for directory in (Path(path).parent, Path(path).parents[1]) if path is not None else ():
-        if (directory / "config.json").is_file():
-            cfg = json.loads((directory / "config.json").read_text())
-            return ModelShape.from_hf_config(cfg, name=directory.name)
+        shape = _config_shape(directory)
+        if shape is not None:
+            return shape
     for module in cm.module.modules():
         cfg = getattr(module, "config", None)
         if cfg is not None and hasattr(cfg, "num_hidden_layers"):
@@ -286,15 +297,10 @@ def network_seconds(model_dir: str | Path, tokens: int) -> float:
         return 0.0
     directory = Path(model_dir)
     override = timing_shape_override(directory.name)
-    if override:
-        shape = shape_from_spec(override)
-    else:
-        config = json.loads((directory / "config.json").read_text())
-        shape = ModelShape.from_hf_config(config, name=directory.name)
-    rbln_config = directory / RBLN_CONFIG
-    if rbln_config.is_file():
-        shape = shape.with_rbln_config(json.loads(rbln_config.read_text()))
-    return network_transfer_cost(shape, tokens, DeviceSpec.from_env())
+    shape = shape_from_spec(override) if override else _config_shape(directory)
+    if shape is None:
+        raise RuntimeError(f"timing mode cannot find the model config of {directory}")
+    return network_transfer_cost(_stored_as(shape, directory), tokens, DeviceSpec.from_env())
 
 
 def sleep_until(deadline: float) -> None:

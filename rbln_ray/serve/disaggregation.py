@@ -123,7 +123,7 @@ async def prefill_first(
                        model, reason, str(exc).split("\n", 1)[0])  # fmt: skip
     else:
         if status == 200:
-            params = answer_params(text)
+            params = transfer_params(text)
         else:
             logger.info("model %s: prefill pool answered %d; decoding from the prompt",
                         model, status)  # fmt: skip
@@ -135,8 +135,9 @@ async def prefill_first(
     return dataclasses.replace(call, body=json.dumps(decode).encode())
 
 
-def answer_params(text: bytes) -> dict[str, Any] | None:
-    """The ``kv_transfer_params`` of a prefill's (non-streamed) answer, if it has them."""
+def transfer_params(text: bytes) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` of a JSON body (a prefill's non-streamed answer, or the
+    decode pool's request), if it has them as an object."""
     try:
         parsed = json.loads(text)
     except ValueError:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import time
@@ -130,12 +129,3 @@ def handover_for(kv_transfer_config: Any, model_dir: str, node_id: str) -> KVHan
         return None
     extra = dict(kv_transfer_config.kv_connector_extra_config or {})
     return KVHandover(tier, node_id, Path(model_dir), lambda node: tier_root(extra, node))
-
-
-def transfer_params(body: bytes) -> Any:
-    """A request body's ``kv_transfer_params`` (None when the body is not a JSON object)."""
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return None
-    return parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from rbln_ray.serve.config import ModelDeploymentConfig, RequestLimits
-from rbln_ray.serve.disaggregation import PD_PATHS
+from rbln_ray.serve.disaggregation import PD_PATHS, transfer_params
 from rbln_ray.serve.http_call import HTTPCall, HTTPStart
-from rbln_ray.serve.kv_handover import handover_for, transfer_params
+from rbln_ray.serve.kv_handover import handover_for
 
 logger = logging.getLogger(__name__)
 

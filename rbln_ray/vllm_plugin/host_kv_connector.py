@@ -191,7 +191,7 @@ class RBLNHostKVConnector(KVConnectorBase_V1):
         blocks = request.block_hashes[: tokens // self.block_size]
         return False, {
             "do_remote_prefill": True,
-            "host_tier": str(self.tier.root) if self.tier is not None else None,
+            "host_tier": self.tier.root.name if self.tier is not None else None,
             "node_id": self.node_id,
             "exported_tokens": tokens,
             "block_hashes": [hash_bytes(h).hex() for h in blocks],

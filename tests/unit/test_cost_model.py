@@ -177,3 +177,18 @@ def test_a_handover_between_nodes_costs_its_kv_bytes_over_the_network(monkeypatc
     assert network_transfer_cost(shape, 2048, fast) == pytest.approx(
         network_transfer_cost(shape, 2048) / 4
     )
+
+
+def test_timing_mode_waits_the_modelled_network_time_of_a_handover(tmp_path, monkeypatch) -> None:
+    """What a decode replica waits for KV fetched from another node: the modelled shape's
+    bytes over the link in timing and modelled mode, nothing in compute mode."""
+    from rbln_ray.emulator.timing import network_seconds
+    from rbln_ray.npu.cost_model import network_transfer_cost
+
+    monkeypatch.setenv("RBLN_RAY_TIMING_SHAPE", "llama-3-8b")
+    monkeypatch.setenv("RBLN_RAY_EMULATOR_MODE", "compute")
+    assert network_seconds(tmp_path, 2048) == 0.0
+    for mode in ("timing", "modelled"):
+        monkeypatch.setenv("RBLN_RAY_EMULATOR_MODE", mode)
+        expected = network_transfer_cost(preset("llama-3-8b"), 2048)
+        assert network_seconds(tmp_path, 2048) == pytest.approx(expected)

@@ -237,7 +237,7 @@ def test_the_connector_counts_what_the_plan_can_place(tmp_path) -> None:
     connector.exported("r", 256)
     connector.exported("r", 128)  # preempted and prefilled again: its further blocks
     done = types.SimpleNamespace(request_id="r", block_hashes=h)
-    params = {"do_remote_prefill": True, "host_tier": str(tmp_path), "node_id": "node-a",
+    params = {"do_remote_prefill": True, "host_tier": tmp_path.name, "node_id": "node-a",
               "exported_tokens": 384, "block_hashes": [x.hex() for x in h[:3]]}  # fmt: skip
     assert connector.request_finished(done, []) == (False, params)
     assert connector.request_finished(done, []) == (False, None)  # told once

@@ -355,7 +355,8 @@ def test_the_decode_call_carries_the_prefills_transfer_params_never_the_clients(
 
 
 def test_a_handover_is_fetched_only_for_another_nodes_well_formed_export() -> None:
-    from rbln_ray.serve.kv_handover import MAX_BLOCKS, remote_source, transfer_params
+    from rbln_ray.serve.disaggregation import transfer_params
+    from rbln_ray.serve.kv_handover import MAX_BLOCKS, remote_source
 
     here, there = "a1" * 28, "b2" * 28
     good = {"do_remote_prefill": True, "node_id": there, "block_hashes": ["0f" * 32] * 3}

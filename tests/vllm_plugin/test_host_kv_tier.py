@@ -101,7 +101,7 @@ def test_a_prefill_engine_hands_its_prompts_kv_to_a_decode_engine(tmp_path) -> N
     assert [o["token_ids"] for o in outputs] == [e[:1] for e in expected]
     params = [dict(o["kv_transfer_params"]) for o in outputs]
     named = [p.pop("block_hashes") for p in params]  # the exported blocks, by vLLM's hashes
-    assert params == [{"do_remote_prefill": True, "host_tier": str(tmp_path), "node_id": None,
+    assert params == [{"do_remote_prefill": True, "host_tier": tmp_path.name, "node_id": None,
                        "exported_tokens": n} for n in full]  # fmt: skip
     assert [len(h) for h in named] == [n // 128 for n in full]
     with contextlib.closing(sqlite3.connect(tmp_path / "index.sqlite")) as db:
