@@ -421,7 +421,8 @@ TIER_SAMPLE_S = 10.0
 @contextlib.contextmanager
 def tier_sampler(on: bool) -> Iterator[list]:
     """While the block runs, every :data:`TIER_SAMPLE_S`: per node tier, (seconds, bytes the
-    index counts, bytes of its files on tmpfs, entries) -- the host memory it takes."""
+    index counts, bytes of its files on tmpfs, entries, entries ever added) -- the host
+    memory it takes, and (the last two apart) how much the LRU has evicted."""
     samples: list = []
     if not on:
         yield samples
@@ -437,9 +438,13 @@ def tier_sampler(on: bool) -> Iterator[list]:
             for root in sorted(DEFAULT_ROOT.glob("*")):
                 if not (root / "index.sqlite").is_file():
                     continue
-                nbytes, entries = HostKVTier(root, 1, "").usage()
+                tier = HostKVTier(root, 1, "")
+                nbytes, entries = tier.usage()
                 files = sum(_size(f) for f in root.glob("*.kv"))
-                samples.append([time.monotonic() - t0, root.name, nbytes, files, entries])
+                samples.append(
+                    [time.monotonic() - t0, root.name, nbytes, files, entries, tier.added()]
+                )
+                tier.close()
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
@@ -671,6 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-slo-s", type=float, default=2.0)
     p.add_argument("--tpot-slo-ms", type=float, default=150.0)
     p.add_argument("--haproxy", help="HAProxy binary (default: the venv's, `make setup`)")
+    p.add_argument("--name", help="result file name (default: cluster_goodput[_t<T>_d<D>])")
     if "--quick" in (argv if argv is not None else sys.argv[1:]):
         p.set_defaults(rates="0.3", duration=45, warmup=5, replicas=2, tenants=4, docs=2)
     args = p.parse_args(argv)
@@ -711,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     g = goals(results)
     settings = dict(vars(args))
     settings |= {"compiled": str(compiled), "commit": _commit()}
-    result_name = stem(args)
+    result_name = args.name or stem(args)
     common.save(
         result_name,
         {

@@ -187,6 +187,13 @@ class HostKVTier:
                                          ).fetchone()  # fmt: skip
         return int(nbytes), int(count)
 
+    def added(self) -> int:
+        """Entries ever added to this tier (their ids count up and are never reused): with
+        :meth:`usage`'s count, how many the LRU has evicted (soak reports)."""
+        row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'entries'"
+                               ).fetchone()  # fmt: skip
+        return int(row[0]) if row else 0
+
     # ------------------------------------------------------------------ data
     def path(self, entry: int) -> Path:
         return self.root / f"{entry}.kv"

@@ -46,6 +46,7 @@ def test_the_size_bound_holds_by_evicting_the_least_recently_used(tmp_path) -> N
     t.read(first, 128)  # a is used again: b is now the least recently used
     t.put(0, hashes("d", 1), 128, b"x" * PAYLOAD)
     assert t.usage() == (3 * (PAYLOAD + 24), 3)
+    assert t.added() == 4  # one evicted: added minus held
     assert t.read(second, 128) is None and not t.path(second).exists()
     assert t.read(first, 128) is not None and t.read(third, 128) is not None
     with pytest.raises(ValueError, match="exceeds"):
