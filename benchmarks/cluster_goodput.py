@@ -26,7 +26,9 @@ prefix-cache hit rate of every replica (vLLM's own counters: Ray's metrics expor
 rbln-ray, each server's /metrics for vllm-rbln) and **goodput**: requests per second whose
 own TTFT <= ``--ttft-slo-s`` (2 s) and TPOT <= ``--tpot-slo-ms`` (150 ms) (vLLM's
 ``vllm bench serve --goodput`` definition; a request that failed, or was never sent because
-its conversation's earlier turn failed, misses the SLO).
+its conversation's earlier turn failed, misses the SLO), and the **reuse bound**: the share of
+the prompt tokens sent that an unbounded cache shared by every replica could have served (the
+ceiling of any cache, device or host tier; ``prefix_cache.reuse_bound``).
 
 Every rate of every system starts from the same state: the rbln-ray app is deployed afresh
 (its replicas' device caches empty) and the host tiers emptied; vllm-rbln's servers are started
@@ -63,7 +65,14 @@ from typing import Any
 from benchmarks import common
 from benchmarks.loadgen import wait_ready
 from benchmarks.peer_env import peer_env, peer_python
-from benchmarks.sessions import TextSource, WorkloadSpec, build_workload, run_sessions, summarise
+from benchmarks.sessions import (
+    TextSource,
+    WorkloadSpec,
+    build_workload,
+    reuse_bound,
+    run_sessions,
+    summarise,
+)
 
 GOAL_GOODPUT_RATIO = 1.5
 GOAL_TTFT_RATIO = 3.0
@@ -106,6 +115,18 @@ def compiled_model(args: argparse.Namespace) -> tuple[Path, Path]:
         kvcache_num_blocks=args.kv_blocks,
     )
     return hf, resolve_compiled_dir(hf, settings)
+
+
+def vllm_block_size(compiled: Path) -> int:
+    """vLLM's block size on the artifact: the prefix cache's granularity (the RBLN block
+    plan's inner block, :class:`~rbln_ray.vllm_plugin.kv_blocks.BlockLayout`)."""
+    from rbln_ray.compile.artifact import load_artifact
+    from rbln_ray.vllm_plugin.kv_blocks import BlockLayout
+
+    art = load_artifact(compiled)
+    return BlockLayout.for_artifact(
+        art.kvcache_block_size, art.kvcache_num_blocks, art.max_seq_len, art.prefill_chunk_size
+    ).inner_size
 
 
 # ------------------------------------------------------------------ prefix-cache counters
@@ -377,11 +398,14 @@ def run_rates(
     args: argparse.Namespace,
     rates: list[float] | None = None,
     spec_of: Callable[[float, int], WorkloadSpec] | None = None,
+    block_size: int | None = None,
 ) -> dict[str, Any]:
     """Every rate of ``system``'s grid (``rates``, default ``--rates[-<system>]``), each
     from a fresh state: ``fresh()`` is a context that starts (or resets) the system and
     yields its URL and its counters' reader; ``spec_of(rate, i)`` is the ``i``-th rate's
-    workload (default this benchmark's sessions, seed ``100 + i``)."""
+    workload (default this benchmark's sessions, seed ``100 + i``). With vLLM's
+    ``block_size``, each rate's ``prefix_cache.reuse_bound`` is what an unbounded cache could
+    have served of the prompts sent (:func:`benchmarks.sessions.reuse_bound`)."""
     out = {}
     for i, rate in enumerate(rates or rates_of(system, args)):
         spec = spec_of(rate, i) if spec_of else workload_spec(args, rate, seed=100 + i)
@@ -407,6 +431,8 @@ def run_rates(
             "prefix_cache": hit_rates(before, after),
             "loadavg_after": os.getloadavg(),
         }
+        if block_size:
+            res["prefix_cache"]["reuse_bound"] = reuse_bound(sessions, source.tokenizer, block_size)
         if samples:  # (t): every node's tier over the run, against its bound
             res["host_tier"] = {"bound_bytes": int(args.host_gib * (1 << 30)),
                                 "samples": samples}  # fmt: skip
@@ -518,12 +544,13 @@ def _print(system: str, rate: float, r: dict) -> None:
     if not r.get("completed"):
         print(f"   ({system}) {rate:g} req/s: nothing completed {r}", flush=True)
         return
-    hit = r["prefix_cache"]["overall"]
+    hit, bound = r["prefix_cache"]["overall"], r["prefix_cache"].get("reuse_bound")
     print(
         f"   ({system}) {rate:5g} req/s: goodput {r['goodput_req_per_s']:.2f} "
         f"(SLO met {r['slo_attainment']:.0%}) TTFT p50/p99 {r['ttft_ms']['p50']:.0f}/"
         f"{r['ttft_ms']['p99']:.0f} ms TPOT p50/p99 {r['tpot_ms']['p50']:.0f}/"
         f"{r['tpot_ms']['p99']:.0f} ms hit rate {hit if hit is None else f'{hit:.0%}'} "
+        f"(bound {bound if bound is None else f'{bound:.0%}'}) "
         f"failed {r['failed']}",
         flush=True,
     )
@@ -699,7 +726,9 @@ def main(argv: list[str] | None = None) -> int:
 
                 # replicas started anew
                 fresh = fresh_app(lambda s=system: deploy(compiled, s, args, port))
-                results[system] = run_rates(system, fresh, source, args)
+                results[system] = run_rates(
+                    system, fresh, source, args, block_size=vllm_block_size(compiled)
+                )
     if "b" in systems:
         print(f"== (b) {SYSTEMS['b']}", flush=True)
 
@@ -712,7 +741,9 @@ def main(argv: list[str] | None = None) -> int:
             with vllm_rbln_behind_haproxy(compiled, args, common.RESULTS) as (url, servers):
                 yield url, lambda: server_counters(servers)
 
-        results["b"] = run_rates("b", servers_anew, source, args)
+        results["b"] = run_rates(
+            "b", servers_anew, source, args, block_size=vllm_block_size(compiled)
+        )
     results = {k: results[k] for k in SYSTEMS if k in results}
     g = goals(results)
     settings = dict(vars(args))

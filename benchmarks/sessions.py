@@ -235,6 +235,35 @@ async def run_sessions(
     return time.perf_counter() - start
 
 
+def reuse_bound(sessions: list[Session], tokenizer: Any, block_size: int) -> float | None:
+    """Share of the prompt tokens a run sent that an unbounded prefix cache shared by every
+    replica could have served: the ceiling of any cache, on the devices or in a host tier.
+
+    Each prompt sent (in the order sent) counts its longest prefix of whole ``block_size``
+    blocks that an earlier prompt already had, short of its last token (which vLLM always
+    computes). Prompts as the server tokenizes them (the served model's chat template)."""
+    sent = []
+    for s in sessions:
+        history = [{"role": "system", "content": s.system}]
+        for turn, record in zip(s.turns, s.records, strict=False):  # the turns sent
+            history.append({"role": "user", "content": turn.user})
+            sent.append((record["sent"], list(history)))
+            history.append({"role": "assistant", "content": turn.answer})
+    seen: set[int] = set()
+    hits = total = 0
+    for _, messages in sorted(sent, key=lambda x: x[0]):
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        keys = [hash(tuple(ids[: (i + 1) * block_size])) for i in range(len(ids) // block_size)]
+        cached = 0
+        while cached < len(keys) and keys[cached] in seen:
+            cached += 1
+        hits += min(cached * block_size, (len(ids) - 1) // block_size * block_size)
+        total += len(ids)
+        seen.update(keys)
+    return hits / total if total else None
+
+
 def summarise(
     sessions: list[Session], window: tuple[float, float], ttft_slo_s: float, tpot_slo_s: float
 ) -> dict[str, Any]:

@@ -30,7 +30,11 @@ answer's ``kv_transfer_params``; a decode engine on the same tier then finds tho
 it finds any prefix (:meth:`get_num_new_matched_tokens`) and loads them.
 
 Settings (``kv_connector_extra_config``): ``host_gib`` (the tier's size on the node, GiB;
-default 4), ``root`` (a tmpfs directory; the Serve app names one per Ray node).
+default 4), ``root`` (a tmpfs directory; the Serve app names one per Ray node),
+``write_through`` (default false: a block's KV is saved when its device reuses the block;
+true: every prompt's KV is saved once computed, as vLLM's offloading connector stores
+computed blocks, so the node's other replicas find it while this device still holds it, at
+one more transfer per prompt).
 """
 
 from __future__ import annotations
@@ -136,7 +140,9 @@ class RBLNHostKVConnector(KVConnectorBase_V1):
         self._outer_size = self.block_size
         self._exported: dict[str, int] = {}  # request -> prompt tokens its prefill exported
         kv = vllm_config.kv_transfer_config
-        self.node_id = ((kv.kv_connector_extra_config or {}) if kv else {}).get("node_id")
+        extra = (kv.kv_connector_extra_config or {}) if kv else {}
+        self.node_id = extra.get("node_id")
+        self.write_through = bool(extra.get("write_through", False))
 
     def set_layout(self, outer_size: int, per_outer: int) -> None:
         """The RBLN block plan's sizes (the scheduler sets them: loads fill whole segments)."""

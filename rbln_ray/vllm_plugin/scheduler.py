@@ -94,6 +94,7 @@ class _RBLNScheduling:
         self.outer_blocks = OuterBlockManager(self.layout, self._evict_hashes, self._host_tier())
         kv = self.vllm_config.kv_transfer_config
         self._producer = kv is not None and kv.kv_role == "kv_producer"
+        self._write_through = self.connector is not None and self.connector.write_through
         # Sliding-window layers, per-sequence state rows: one pinned cache slot per running
         # request (kv_slots).
         pinned = artifact.uses_local_cache or artifact.state_slots
@@ -394,10 +395,12 @@ class _RBLNScheduling:
             plan.tables[req_id] = manager.table(req_id)
             if self.slots is not None:
                 plan.slots[req_id] = self.slots.slot(req_id)
-            if kind == "prefill" and self._exports(request):
+            handover = kind == "prefill" and self._hands_over(request)
+            if handover or (kind == "prefill" and self._writes_through(request)):
                 exports = manager.export(req_id)  # recorded above: the whole prompt's blocks
                 plan.host_exports.extend(exports)
-                self.connector.exported(req_id, sum(e.tokens for e in exports))
+                if handover:
+                    self.connector.exported(req_id, sum(e.tokens for e in exports))
         if kind in ("decode", "verify") or (self.spec_lookahead and kind == "prefill"):
             # padding rows (a draft model pads its proposing calls after a prefill too)
             tokens = max(self.spec_width, 2) if self.spec_policy is not None else 1
@@ -408,15 +411,27 @@ class _RBLNScheduling:
         manager.flush_evictions()
         return plan
 
-    def _exports(self, request: Request) -> bool:
+    def _prompt_done(self, request: Request) -> bool:
+        """With a host tier on, the step computes the last chunk of ``request``'s prompt."""
+        return self.connector is not None and (
+            request.num_computed_tokens >= request.num_prompt_tokens
+        )
+
+    def _hands_over(self, request: Request) -> bool:
         """Prefill/decode disaggregation: the step computes the last chunk of a prompt whose
         KV a decode engine takes over through the host tier: every prompt of a prefill engine
         (``kv_role: kv_producer``), else a request asking for it as vLLM's P/D proxies do
         (``kv_transfer_params: {"do_remote_decode": true}``)."""
-        if self.connector is None or request.num_computed_tokens < request.num_prompt_tokens:
+        if not self._prompt_done(request):
             return False
         params = request.kv_transfer_params or {}
         return self._producer or bool(params.get("do_remote_decode"))
+
+    def _writes_through(self, request: Request) -> bool:
+        """The tier's write-through mode (``write_through``): every prompt's KV
+        goes to the node's tier once computed, so the node's other replicas find it while
+        this device still holds it, not only after this device drops it."""
+        return self._write_through and self._prompt_done(request)
 
     def _release_missing(self) -> None:
         """Requests no longer running give back their RBLN blocks and cache slots."""

@@ -190,9 +190,10 @@ def test_an_export_saves_each_segments_full_blocks_the_tier_lacks(tmp_path) -> N
     assert untiered.export("p") == []  # no tier
 
 
-def test_a_prompt_is_exported_after_its_last_chunk_by_role_or_request() -> None:
-    """A prefill engine (``kv_producer``) exports every prompt, an engine of another role
-    a request carrying vLLM's ``do_remote_decode``; only once the whole prompt is computed."""
+def test_a_prompt_is_exported_after_its_last_chunk_by_role_request_or_write_through() -> None:
+    """A prefill engine (``kv_producer``) hands every prompt over, an engine of another role
+    a request carrying vLLM's ``do_remote_decode``; a write-through tier saves every prompt
+    without handing it over; all only once the whole prompt is computed."""
     from rbln_ray.vllm_plugin.scheduler import RBLNScheduler
 
     def request(computed: int, params: dict | None = None) -> types.SimpleNamespace:
@@ -200,14 +201,23 @@ def test_a_prompt_is_exported_after_its_last_chunk_by_role_or_request() -> None:
             num_computed_tokens=computed, num_prompt_tokens=300, kv_transfer_params=params
         )
 
-    def exports(producer: bool, req: types.SimpleNamespace, connector: object = True) -> bool:
-        scheduler = types.SimpleNamespace(_producer=producer, connector=connector)
-        return RBLNScheduler._exports(scheduler, req)
+    def scheduler(producer: bool, connector: object, through: bool) -> types.SimpleNamespace:
+        s = types.SimpleNamespace(_producer=producer, connector=connector, _write_through=through)
+        s._prompt_done = lambda req: RBLNScheduler._prompt_done(s, req)
+        return s
 
-    assert exports(True, request(300)) and not exports(True, request(256))
-    assert not exports(False, request(300)) and not exports(True, request(300), None)
-    assert exports(False, request(300, {"do_remote_decode": True}))
-    assert not exports(False, request(300, {"do_remote_decode": False}))
+    def hands_over(producer: bool, req: types.SimpleNamespace, connector: object = True) -> bool:
+        return RBLNScheduler._hands_over(scheduler(producer, connector, False), req)
+
+    def writes_through(through: bool, req: types.SimpleNamespace) -> bool:
+        return RBLNScheduler._writes_through(scheduler(False, True, through), req)
+
+    assert hands_over(True, request(300)) and not hands_over(True, request(256))
+    assert not hands_over(False, request(300)) and not hands_over(True, request(300), None)
+    assert hands_over(False, request(300, {"do_remote_decode": True}))
+    assert not hands_over(False, request(300, {"do_remote_decode": False}))
+    assert writes_through(True, request(300)) and not writes_through(True, request(256))
+    assert not writes_through(False, request(300))
 
 
 # ------------------------------------------------------------------ the connector

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.sessions import Session, TextSource, WorkloadSpec, build_workload, summarise
+from benchmarks.sessions import (
+    Session,
+    TextSource,
+    Turn,
+    WorkloadSpec,
+    build_workload,
+    reuse_bound,
+    summarise,
+)
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +88,28 @@ def test_goodput_counts_requests_meeting_both_slos_in_the_window() -> None:
     assert res["ttft_ms"]["max"] == pytest.approx(2500)
     assert res["tpot_ms"]["max"] == pytest.approx(200)
     assert res["errors"] == ["500: boom"]
+
+
+class _Chars:
+    """A tokenizer whose chat template is the messages' characters, one id each."""
+
+    @staticmethod
+    def apply_chat_template(messages: list, tokenize: bool, add_generation_prompt: bool) -> list:
+        return [ord(c) for m in messages for c in m["content"]]
+
+
+def test_reuse_bound_counts_whole_blocks_seen_before_short_of_the_last_token() -> None:
+    def session(sid: str, user: str, sent: list[float], turns: list[Turn] | None = None):
+        turns = turns or [Turn(user, "", 8)]
+        s = Session(sid, 0.0, "S" * 8, turns, [0.0] * len(turns))
+        s.records = [{"sent": t} for t in sent]
+        return s
+
+    a = session("a", "", [0.0, 2.0], [Turn("u" * 4, "a" * 3, 8), Turn("w" * 2, "", 8),
+                                       Turn("never sent", "", 8)])  # fmt: skip
+    b = session("b", "v" * 4, [1.0])
+    c = session("c", "u" * 4, [3.0])  # a's first prompt again
+    # blocks of 4: a1 (12 ids) nothing before; b1 (12) its 2 system blocks; a2 (17) 3 of its
+    # 4 full blocks; c1 (12) all 3, but its last token is computed: 2 blocks
+    assert reuse_bound([a, b, c], _Chars(), 4) == (0 + 8 + 12 + 8) / (12 + 12 + 17 + 12)
+    assert reuse_bound([], _Chars(), 4) is None
