@@ -12,7 +12,7 @@ Two parts, one run, one commit:
 1. **Validation**: 4 replicas, BENCHMARKS 15's workload and protocol exactly (its sessions,
    draw for draw: rates 1.0-1.5 req/s with seeds 100-104, 300 s of arrivals, the first 60 s
    not measured, 32 tenants, 32 documents), against its measured run of (a)
-   (``benchmarks/results/cluster_goodput.json``).
+   (``benchmarks/results/cluster_goodput_issue35.json``).
 2. **Scale**: 4, 16, 64, 256 and 1,024 replicas, the same workload with tenants, documents
    and rate scaled with the replica count (8 tenants, 8 documents and 1.4375 / 4 req/s per
    replica: BENCHMARKS 15's goal rate), ``--duration`` of arrivals, the first ``--warmup``
@@ -57,7 +57,7 @@ from rbln_ray.planning.fleet.ingress import replicas_needed
 from rbln_ray.planning.fleet.metrics import percentile, stickiness
 from rbln_ray.serve.fleet_router import SimulatedRouter, block_keys
 
-MEASURED = common.RESULTS / "cluster_goodput.json"  # BENCHMARKS 15's full run
+MEASURED = common.RESULTS / "cluster_goodput_issue35.json"  # BENCHMARKS 15's full run
 RATES = (1.0, 1.25, 1.375, 1.4375, 1.5)  # its rates, seeds 100 + their place
 GOAL_RATE = 1.4375  # its goal's rate: the scale rows' rate per 4 replicas
 COUNTS = (4, 16, 64, 256, 1024)

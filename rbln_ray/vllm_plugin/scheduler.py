@@ -428,9 +428,9 @@ class _RBLNScheduling:
         return self._producer or bool(params.get("do_remote_decode"))
 
     def _writes_through(self, request: Request) -> bool:
-        """The tier's write-through mode (``write_through``): every prompt's KV
-        goes to the node's tier once computed, so the node's other replicas find it while
-        this device still holds it, not only after this device drops it."""
+        """The tier's write-through mode (``write_through``): every prompt's KV goes to the
+        node's tier once computed, so the node's other replicas find it while this device
+        still holds it, not only after this device drops it."""
         return self._write_through and self._prompt_done(request)
 
     def _release_missing(self) -> None:
