@@ -718,6 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     common.RESULTS.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     t0 = time.time()
+    block_size = vllm_block_size(compiled)
     rbln = [s for s in systems if s in ROUTING]
     if rbln:
         with rbln_ray_cluster(args) as port:
@@ -726,9 +727,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 # replicas started anew
                 fresh = fresh_app(lambda s=system: deploy(compiled, s, args, port))
-                results[system] = run_rates(
-                    system, fresh, source, args, block_size=vllm_block_size(compiled)
-                )
+                results[system] = run_rates(system, fresh, source, args, block_size=block_size)
     if "b" in systems:
         print(f"== (b) {SYSTEMS['b']}", flush=True)
 
@@ -741,9 +740,7 @@ def main(argv: list[str] | None = None) -> int:
             with vllm_rbln_behind_haproxy(compiled, args, common.RESULTS) as (url, servers):
                 yield url, lambda: server_counters(servers)
 
-        results["b"] = run_rates(
-            "b", servers_anew, source, args, block_size=vllm_block_size(compiled)
-        )
+        results["b"] = run_rates("b", servers_anew, source, args, block_size=block_size)
     results = {k: results[k] for k in SYSTEMS if k in results}
     g = goals(results)
     settings = dict(vars(args))
