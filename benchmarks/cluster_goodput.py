@@ -243,7 +243,10 @@ def deploy(compiled: Path, system: str, args: argparse.Namespace, port: int) -> 
         engine["kv_transfer_config"] = {
             "kv_connector": "RBLNHostKVConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"host_gib": args.host_gib},
+            "kv_connector_extra_config": {
+                "host_gib": args.host_gib,
+                "write_through": args.write_through,
+            },
         }
     model = {"name": MODEL, "model": str(compiled), "num_replicas": args.replicas,
              "engine_kwargs": engine}  # fmt: skip
@@ -678,6 +681,9 @@ def main(argv: list[str] | None = None) -> int:
     for key in SYSTEMS:  # a grid per system (default --rates)
         p.add_argument(f"--rates-{key}", help=f"({key})'s rates, comma list")
     p.add_argument("--host-gib", type=float, default=8.0, help="(t): host KV tier per node")
+    p.add_argument(
+        "--write-through", action="store_true", help="(t): every prompt's KV to the tier"
+    )
     p.add_argument("--duration", type=float, default=300, help="seconds of load per rate")
     p.add_argument(
         "--warmup", type=float, default=60, help="first seconds not measured (sessions ramp up)"
