@@ -119,14 +119,11 @@ def compiled_model(args: argparse.Namespace) -> tuple[Path, Path]:
 
 def vllm_block_size(compiled: Path) -> int:
     """vLLM's block size on the artifact: the prefix cache's granularity (the RBLN block
-    plan's inner block, :class:`~rbln_ray.vllm_plugin.kv_blocks.BlockLayout`)."""
+    plan's inner block, :func:`~rbln_ray.vllm_plugin.kv_blocks.block_layout`)."""
     from rbln_ray.compile.artifact import load_artifact
-    from rbln_ray.vllm_plugin.kv_blocks import BlockLayout
+    from rbln_ray.vllm_plugin.kv_blocks import block_layout
 
-    art = load_artifact(compiled)
-    return BlockLayout.for_artifact(
-        art.kvcache_block_size, art.kvcache_num_blocks, art.max_seq_len, art.prefill_chunk_size
-    ).inner_size
+    return block_layout(load_artifact(compiled)).inner_size
 
 
 # ------------------------------------------------------------------ prefix-cache counters

@@ -36,7 +36,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from rbln_ray.compile.artifact import CompiledArtifact
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,13 @@ class BlockLayout:
         """vLLM blocks of one prefill chunk when they tile the RBLN block, else whole blocks."""
         inner = chunk if outer_size % chunk == 0 else outer_size
         return cls(outer_size, inner, num_outer, max_seq_len)
+
+
+def block_layout(art: CompiledArtifact) -> BlockLayout:
+    """vLLM blocks of one prefill chunk on the artifact's RBLN blocks."""
+    return BlockLayout.for_artifact(
+        art.kvcache_block_size, art.kvcache_num_blocks, art.max_seq_len, art.prefill_chunk_size
+    )
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from rbln_ray.families.registry import (
 )
 from rbln_ray.vllm_plugin import lora, quantization
 from rbln_ray.vllm_plugin.driver_cluster import remember_driver_cluster
-from rbln_ray.vllm_plugin.kv_blocks import BlockLayout
+from rbln_ray.vllm_plugin.kv_blocks import block_layout
 from rbln_ray.vllm_plugin.options import decide, engine_decisions, engine_options
 
 if TYPE_CHECKING:
@@ -173,13 +173,6 @@ def _sync_model_len(
     if model_config.max_model_len != wanted:
         logger.info("max_model_len %s -> %d (%s)", model_config.max_model_len, wanted, bound)
         model_config.max_model_len = wanted
-
-
-def block_layout(art: CompiledArtifact) -> BlockLayout:
-    """vLLM blocks of one prefill chunk on the artifact's RBLN blocks (see kv_blocks)."""
-    return BlockLayout.for_artifact(
-        art.kvcache_block_size, art.kvcache_num_blocks, art.max_seq_len, art.prefill_chunk_size
-    )
 
 
 def _sync_kv_cache(vllm_config: VllmConfig, art: CompiledArtifact) -> None:

@@ -49,7 +49,12 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from rbln_ray.upstream import vllm_internals
-from rbln_ray.vllm_plugin.kv_blocks import BlockLayout, KVStepPlan, OuterBlockManager
+from rbln_ray.vllm_plugin.kv_blocks import (
+    BlockLayout,
+    KVStepPlan,
+    OuterBlockManager,
+    block_layout,
+)
 from rbln_ray.vllm_plugin.kv_slots import SlotManager
 from rbln_ray.vllm_plugin.lora import LoRAGate, refuse_unknown
 from rbln_ray.vllm_plugin.options import engine_options
@@ -80,7 +85,7 @@ class _RBLNScheduling:
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        from rbln_ray.vllm_plugin.platform import block_layout, compiled_artifact
+        from rbln_ray.vllm_plugin.platform import compiled_artifact
 
         artifact = compiled_artifact(self.vllm_config)
         self.layout: BlockLayout = block_layout(artifact)

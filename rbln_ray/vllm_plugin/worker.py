@@ -25,10 +25,11 @@ from rbln_ray.emulator import is_emulated
 from rbln_ray.vllm_plugin.device_metrics import DeviceMetrics
 from rbln_ray.vllm_plugin.host_kv_connector import open_tier
 from rbln_ray.vllm_plugin.host_transfer import HostTransfer, kv_layout
+from rbln_ray.vllm_plugin.kv_blocks import block_layout
 from rbln_ray.vllm_plugin.loader import load_compiled_model
 from rbln_ray.vllm_plugin.lora import CompiledLoRAWorker
 from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner
-from rbln_ray.vllm_plugin.platform import block_layout, compiled_artifact
+from rbln_ray.vllm_plugin.platform import compiled_artifact
 from rbln_ray.vllm_plugin.spec.verify import Speculator
 from rbln_ray.vllm_plugin.step_loop import Ahead, Deferred, StepLoop
 

@@ -118,8 +118,8 @@ class Engine(Harness):
     def __init__(self, artifact: Path, **engine: object) -> None:
         super().__init__(artifact, **engine)
         from rbln_ray.compile.artifact import CompiledArtifact
+        from rbln_ray.vllm_plugin.kv_blocks import block_layout
         from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner
-        from rbln_ray.vllm_plugin.platform import block_layout
 
         art = CompiledArtifact.load(artifact)
         self.model = KVCacheLM(

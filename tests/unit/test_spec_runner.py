@@ -86,8 +86,8 @@ class SpecEngine(Engine):
         engine.setdefault("additional_config", {"rbln_spec_policy": policy})
         super().__init__(artifact, **engine)
         from rbln_ray.compile.artifact import CompiledArtifact
+        from rbln_ray.vllm_plugin.kv_blocks import block_layout
         from rbln_ray.vllm_plugin.model_runner import RBLNModelRunner
-        from rbln_ray.vllm_plugin.platform import block_layout
         from rbln_ray.vllm_plugin.spec.verify import Speculator
 
         art = CompiledArtifact.load(artifact)
