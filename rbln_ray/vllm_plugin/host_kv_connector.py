@@ -83,6 +83,15 @@ def tier_settings(kv: Any) -> tuple[Path, int] | None:
     return tier_root(extra), int(gib * (1 << 30))
 
 
+def write_through(extra: dict[str, Any]) -> bool:
+    """The ``write_through`` setting of a connector config's ``kv_connector_extra_config``.
+    Anything but a boolean is refused by name: a quoted ``"false"`` must not switch it on."""
+    value = extra.get("write_through", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{CONNECTOR}: write_through must be true or false, not {value!r}")
+    return value
+
+
 def tier_root(extra: dict[str, Any], node_id: str | None = None) -> Path:
     """Where a connector config (its ``kv_connector_extra_config``) keeps the tier on Ray node
     ``node_id`` (default: the node :func:`on_node` recorded): its ``root`` when it gives one
@@ -142,7 +151,7 @@ class RBLNHostKVConnector(KVConnectorBase_V1):
         kv = vllm_config.kv_transfer_config
         extra = (kv.kv_connector_extra_config or {}) if kv else {}
         self.node_id = extra.get("node_id")
-        self.write_through = bool(extra.get("write_through", False))
+        self.write_through = write_through(extra)
 
     def set_layout(self, outer_size: int, per_outer: int) -> None:
         """The RBLN block plan's sizes (the scheduler sets them: loads fill whole segments)."""

@@ -221,6 +221,15 @@ def test_a_prompt_is_exported_after_its_last_chunk_by_role_request_or_write_thro
 
 
 # ------------------------------------------------------------------ the connector
+def test_write_through_is_a_boolean_or_refused_by_name() -> None:
+    from rbln_ray.vllm_plugin.host_kv_connector import write_through
+
+    assert write_through({}) is False and write_through({"write_through": True}) is True
+    for wrong in ("false", 1, None):
+        with pytest.raises(ValueError, match="write_through must be true or false"):
+            write_through({"write_through": wrong})
+
+
 def test_the_connector_counts_what_the_plan_can_place(tmp_path) -> None:
     """Segment by segment from the device's hit, each from an entry starting there, and
     never the prompt's last token (vLLM computes at least one)."""
