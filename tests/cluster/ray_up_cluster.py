@@ -61,12 +61,11 @@ def render_cluster_config(
     ports: Ports,
     token_file: Path,
     api_key_file: Path,
-    worker_rbln: int | None = None,
 ) -> dict[str, Any]:
     """The shipped config with only what this machine needs changed.
 
     Cluster name, the SSH user/key/port of the loopback hosts, the head's ports, the local
-    token and API key files; with ``worker_rbln``, the workers' RBLN count (the broken config).
+    token and API key files.
     """
     cfg = copy.deepcopy(shipped)
     cfg["cluster_name"] = cluster_name
@@ -91,19 +90,20 @@ def render_cluster_config(
     assert len(start) == 1, workers
     cmd = workers[start[0]].replace("$RAY_HEAD_IP:6379", f"$RAY_HEAD_IP:{ports.gcs}")
     assert f":{ports.gcs}" in cmd, cmd
-    if worker_rbln is not None:
-        cmd, n = re.subn(r"""--resources='\{"RBLN": \d+\}'""",
-                         f"""--resources='{{"RBLN": {worker_rbln}}}'""", cmd)  # fmt: skip
-        assert n == 1, cmd
     workers[start[0]] = cmd
     return cfg
 
 
 def render_serve_config(
-    shipped: dict[str, Any], *, http_port: int, model_dir: Path, placement_timeout_s: float | None
+    shipped: dict[str, Any],
+    *,
+    http_port: int,
+    model_dir: Path,
+    placement_timeout_s: float | None,
+    devices_per_worker: int | None = None,
 ) -> dict[str, Any]:
     """The shipped Serve config with the HTTP port and model path (and, optionally, the
-    placement timeout) changed."""
+    placement timeout and the devices per worker) changed."""
     doc = copy.deepcopy(shipped)
     doc["http_options"]["port"] = http_port
     for m in doc["applications"][0]["args"]["models"]:
@@ -111,6 +111,8 @@ def render_serve_config(
         m.pop("compile", None)
         if placement_timeout_s is not None:
             m["placement_timeout_s"] = placement_timeout_s
+        if devices_per_worker is not None:
+            m["devices_per_worker"] = devices_per_worker
     return doc
 
 

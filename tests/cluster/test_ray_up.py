@@ -88,7 +88,7 @@ RAYLET_START_TIMEOUT = "The current node timed out during startup"
 class Cluster:
     """One ``ray up`` of the shipped config on the loopback hosts; always ``ray down``."""
 
-    def __init__(self, hosts: LoopbackHosts, name: str, worker_rbln: int | None = None):
+    def __init__(self, hosts: LoopbackHosts, name: str):
         self.hosts = hosts
         self.name = f"{name}-{secrets.token_hex(3)}"
         self.dir = hosts.base / self.name
@@ -105,7 +105,6 @@ class Cluster:
             ports=self.ports,
             token_file=token,
             api_key_file=new_secret_file(self.dir / "api_key", self.api_key),
-            worker_rbln=worker_rbln,
         )
         self.config = self.dir / "cluster.yaml"
         self.config.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -131,12 +130,15 @@ class Cluster:
         self.timings["3 nodes"] = time.monotonic() - started
         return nodes
 
-    def deploy(self, placement_timeout_s: float | None = None) -> Path:
+    def deploy(
+        self, placement_timeout_s: float | None = None, devices_per_worker: int | None = None
+    ) -> Path:
         doc = render_serve_config(
             yaml.safe_load(SERVE_CONFIG.read_text()),
             http_port=self.ports.http,
             model_dir=compiled_model("llama"),  # tiny, batch 4, 1 device; a shared path
             placement_timeout_s=placement_timeout_s,
+            devices_per_worker=devices_per_worker,
         )
         path = self.dir / "serve_config.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -205,40 +207,32 @@ def test_ray_up_serves_on_workers_and_ray_down_leaves_nothing(hosts: LoopbackHos
         assert len(pids) > 10
         assert non_loopback_peers(pids) == []
         logger.info("listening on %s", sorted(listening_addresses(pids)))
-    finally:
-        left = cluster.down()
-    assert left == {}, left
-    logger.info("timings %s, total %.0f s", cluster.timings, time.monotonic() - started)
-    print(f"timings {cluster.timings}, total {time.monotonic() - started:.0f} s")
 
-
-def test_workers_without_rbln_fail_serve_deploy_within_placement_timeout(hosts: LoopbackHosts):
-    timeout_s = 20.0
-    cluster = Cluster(hosts, "rbln-norbln", worker_rbln=0)
-    try:
-        nodes = cluster.up()
-        assert [rbln(n) for n in nodes] == [0, 0, 0]
-        cluster.deploy(placement_timeout_s=timeout_s)
+        # A replica that no node can hold (3 devices per worker; each worker has 2) fails
+        # `serve deploy` within its placement timeout, naming what was asked and what each
+        # node has, instead of leaving the app DEPLOYING forever (rbln_ray/serve/capacity.py).
+        timeout_s = 20.0
+        cluster.deploy(placement_timeout_s=timeout_s, devices_per_worker=3)
         status, waited = cluster.launcher.wait_app(
-            APP, {"RUNNING", "DEPLOY_FAILED", "UNHEALTHY"}, timeout_s=timeout_s + 120
+            APP, {"DEPLOY_FAILED", "UNHEALTHY"}, timeout_s=timeout_s + 120
         )
         cluster.timings["deploy to failure"] = waited
+        assert status["status"] == "DEPLOY_FAILED", status
         shown = cluster.launcher.serve("status", "-a", cluster.launcher.dashboard).stdout
     finally:
         left = cluster.down()
-    assert status["status"] == "DEPLOY_FAILED", status
-    message = yaml.safe_load(shown)["applications"][APP]["message"]
-    # What was asked (the replica's bundles) and what the cluster has (per node).
-    assert "no node of this cluster can hold a replica's placement group" in message, message
-    assert "[{'CPU': 1}, {'RBLN': 1, 'CPU': 1}]" in message, message
-    assert f"placement_timeout_s={timeout_s:g}" in message, message
-    assert "cluster has 0 RBLN in total" in message, message
-    for ip in hosts.ips:
-        assert f"({ip}): 0 RBLN" in message, message
-    # Not before the configured wait; how long after it depends on the host's load (the
-    # attempt's fresh worker imports the app's builder, vLLM included, which takes several
-    # times longer beside another unit than on a quiet host), and wait_app's deadline above
-    # (timeout_s + 120) bounds it.
-    assert waited >= timeout_s, waited
     assert left == {}, left
-    print(f"timings {cluster.timings}")
+    message = yaml.safe_load(shown)["applications"][APP]["message"]
+    assert "no node of this cluster can hold a replica's placement group" in message, message
+    assert "[{'CPU': 1}, {'RBLN': 3, 'CPU': 1}]" in message, message
+    assert f"placement_timeout_s={timeout_s:g}" in message, message
+    assert "cluster has 4 RBLN in total" in message, message
+    assert f"({head_ip}): 0 RBLN" in message, message
+    for ip in worker_ips:
+        assert f"({ip}): 2 RBLN" in message, message
+    # Not before the configured wait; how long after it depends on the host's load (the
+    # attempt's fresh worker imports the app's builder, vLLM included), and wait_app's
+    # deadline above (timeout_s + 120) bounds it.
+    assert waited >= timeout_s, waited
+    logger.info("timings %s, total %.0f s", cluster.timings, time.monotonic() - started)
+    print(f"timings {cluster.timings}, total {time.monotonic() - started:.0f} s")
