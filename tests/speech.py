@@ -1,4 +1,5 @@
-"""Audio and references shared by the speech tests (``vllm.LLM`` and the Serve app).
+"""Audio and references shared by the speech tests (``vllm.LLM`` and the Serve app), for
+Whisper and Qwen3-ASR.
 
 The clips are WAV files as a client would upload them: tones in noise of 3, 12 and 42 seconds
 (the last one longer than Whisper's 30-second window, with a quiet second where vLLM splits
@@ -83,6 +84,24 @@ def reference(
                 do_sample=False,
             )
             out.append(gen[0, len(ids) :].tolist())
+    return out
+
+
+def asr_reference(model_dir, audio: list, prompts: list[str], max_tokens: list[int]) -> list:
+    """transformers' greedy ``generate`` of each chunk on its HF processor's inputs: (prompt
+    ids, new tokens up to ``max_tokens`` or an end token)."""
+    import torch
+    from transformers import Qwen3ASRForConditionalGeneration, Qwen3ASRProcessor
+
+    processor = Qwen3ASRProcessor.from_pretrained(model_dir)
+    model = Qwen3ASRForConditionalGeneration.from_pretrained(model_dir).eval()
+    out = []
+    with torch.no_grad():
+        for y, prompt, n in zip(audio, prompts, max_tokens, strict=True):
+            inputs = processor(text=[prompt], audio=[y], sampling_rate=16000, return_tensors="pt")
+            ids = inputs["input_ids"][0].tolist()
+            gen = model.generate(**inputs, max_new_tokens=n, do_sample=False)
+            out.append((ids, gen[0, len(ids) :].tolist()))
     return out
 
 

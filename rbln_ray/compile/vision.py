@@ -54,8 +54,13 @@ def compile_vision_language(
     logger.info("vision tower %s: %s", family.vision_tower, vision or "optimum's defaults")
     rbln_config.update(vision)
     cls = getattr(optimum.rbln, family.optimum_class)
+    config = code.hf_config(hf_dir)
     model = cls.from_pretrained(
-        str(hf_dir), export=True, rbln_create_runtimes=False, rbln_config=rbln_config
+        str(hf_dir),
+        export=True,
+        rbln_create_runtimes=False,
+        rbln_config=rbln_config,
+        **({"config": config} if config is not None else {}),
     )
     out = Path(out_dir)
     model.save_pretrained(out)

@@ -76,6 +76,12 @@ class VisionCode(FamilyCode, ABC):
 
         return AutoProcessor.from_pretrained(str(model_dir), **kwargs)
 
+    def hf_config(self, model_dir: str | Path) -> Any:
+        """The transformers config optimum-rbln must compile and load a directory with, when
+        ``AutoConfig`` may resolve its ``model_type`` to another class in an engine process
+        (vLLM registers its own for some); None: optimum's ``AutoConfig`` is right."""
+        return None
+
     def compile_settings(self, settings: Any) -> Any:
         """The language model's compile settings as this family compiles them (it may adjust
         or refuse them, raising ``ValueError`` with the reason)."""

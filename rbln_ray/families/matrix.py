@@ -91,6 +91,12 @@ def speech_matrix() -> str:
             f"| {f.name} | `{f.architecture}` | `{f.optimum_class}` | {', '.join(f.tasks)} "
             f"| {f.examples} | {_test_id(f, '')} |"
         )
+    for v in VISION.values():
+        if v.transcribes:  # a decoder over audio features, behind the same routes
+            rows.append(
+                f"| {v.name} | `{v.architecture}` | `{v.optimum_class}` | transcribe, "
+                f"translate | {v.examples} | {_test_id(v, '')} |"
+            )
     return "\n".join(rows)
 
 
@@ -101,6 +107,8 @@ def vision_matrix() -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for f in VISION.values():
+        if f.transcribes:
+            continue  # in the speech matrix
         on = {True: "on", False: "off"}
         rows.append(
             f"| {f.name} | `{f.architecture}` | `{f.optimum_class}` | `{f.vision_tower}` "

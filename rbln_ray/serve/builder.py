@@ -104,17 +104,18 @@ def compiled_max_seq_len(cfg: ModelDeploymentConfig) -> int | None:
     return start_compile(cfg).max_seq_len
 
 
-def accepts_images(cfg: ModelDeploymentConfig) -> bool:
-    """Whether the model is a vision-language model (compiled, or an HF dir compiled at
-    start)."""
-    from rbln_ray.families.registry import vision_for_dir
+def accepted_media(cfg: ModelDeploymentConfig) -> tuple[str, ...]:
+    """The media a request may give the model (images, videos, audio): its vision-language
+    family's inputs (compiled, or an HF dir compiled at start); none for a text model."""
+    from rbln_ray.families.registry import VISION, vision_for_dir
 
     if cfg.model == DEMO_MODEL:
-        return False
+        return ()
     art = served_artifact(cfg)
     if isinstance(art, CompiledArtifact):
-        return art.is_multimodal
-    return art is None and vision_for_dir(cfg.model) is not None
+        return VISION[art.vision_family].inputs if art.is_multimodal else ()
+    family = vision_for_dir(cfg.model) if art is None else None
+    return family.inputs if family is not None else ()
 
 
 def replica_max_ongoing(cfg: ModelDeploymentConfig) -> int:
@@ -228,14 +229,14 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
         **ingress_options(config.ingress)
     )
     lens = {m.name: compiled_max_seq_len(m) for m in config.models}
-    image_models = [m.name for m in config.models if accepts_images(m)]
+    media = {m.name: list(accepted_media(m)) for m in config.models if accepted_media(m)}
     bases = adapter_bases(config.models)  # LoRA adapters, served by their base's deployment
     return ingress.bind(
         servers,
         config.resolved_api_key(),
         config.limits.model_dump(),
         lens,
-        image_models,
+        media,
         config.cors_allowed_origins,
         bases,
         config.ingress.unhealthy_after_stall_s,

@@ -302,8 +302,9 @@ class OpenAIIngress:
 
     ``max_model_lens`` maps each model to its compiled ``max_seq_len`` (when known), so a
     ``max_tokens`` beyond it or beyond the configured cap gets one message;
-    ``image_models`` names the vision-language models (the only ones a request may give
-    images to, :mod:`rbln_ray.serve.media_policy`); ``lora_bases`` maps each LoRA adapter's
+    ``media_models`` maps each multimodal model to the media a request may give it (images,
+    videos, audio; any other model takes none, :mod:`rbln_ray.serve.media_policy`);
+    ``lora_bases`` maps each LoRA adapter's
     name to the model whose deployment serves it (:mod:`rbln_ray.serve.lora_models`).
     """
 
@@ -313,7 +314,7 @@ class OpenAIIngress:
         api_key: str | None,
         limits: dict[str, Any] | None = None,
         max_model_lens: dict[str, int | None] | None = None,
-        image_models: list[str] | None = None,
+        media_models: dict[str, list[str]] | None = None,
         cors_allowed_origins: list[str] | None = None,
         lora_bases: dict[str, str] | None = None,
         stall_s: float | None = None,
@@ -330,7 +331,7 @@ class OpenAIIngress:
             api_key,
             RequestLimits.model_validate(limits or {}),
             max_model_lens,
-            image_models,
+            media_models,
             serve.get_replica_context().app_name,
             cors_allowed_origins,
             lora_bases,
@@ -344,7 +345,7 @@ class OpenAIIngress:
         api_key: str | None,
         limits: Any,
         max_model_lens: dict[str, int | None] | None,
-        image_models: list[str] | None,
+        media_models: dict[str, list[str]] | None,
         app_name: str,
         cors_allowed_origins: list[str] | None = None,
         lora_bases: dict[str, str] | None = None,
@@ -362,7 +363,7 @@ class OpenAIIngress:
         self.servers = servers
         self.prefill_servers = dict(prefill_servers or {})
         self.max_model_lens = dict(max_model_lens or {})
-        self.image_models = set(image_models or ())
+        self.media_models = {k: tuple(v) for k, v in dict(media_models or {}).items()}
         self.lora_bases = dict(lora_bases or {})
         self.api_key = api_key
         self.app_name = app_name
@@ -486,7 +487,7 @@ class OpenAIIngress:
             return 400, str(exc)
         if not parts:
             return None
-        accepts = ("image",) if model in self.image_models else ()
+        accepts = self.media_models.get(model, ())
         return await self.work.run(client, check_media, model, parts, accepts, self.limits)
 
     @staticmethod

@@ -21,7 +21,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,8 +144,12 @@ def check_media(
             continue  # vLLM refuses an unknown part type itself, with a 400
         if media not in accepts:
             return 400, f"model {model!r} does not accept {media} inputs"
-        if media != "image":
+        if media == "video":
             return 400, f"content part {i}: {media} inputs are not served yet"
+        if media == "audio":
+            problem = _check_audio(i, part.kind, part.content, limits)
+            if problem is not None:
+                return problem
     for i, part in enumerate(images):
         problem = _check_image(i, part.content, limits)
         if problem is not None:
@@ -164,6 +168,39 @@ def _check_image(i: int, url: Any, limits: RequestLimits) -> tuple[int, str] | N
             f"(got {url[:40]!r}); remote images are off (limits.allow_remote_images)"
         )
     return _check_data_url(i, url, limits.max_image_pixels)
+
+
+def _check_audio(i: int, kind: str, content: Any, limits: RequestLimits) -> tuple[int, str] | None:
+    """An audio part of a chat request (a speech-to-text model's): inline only (the base64
+    data of ``input_audio``, or a ``data:`` URL), a file libsndfile reads (the replica then
+    never starts FFmpeg on it, :mod:`rbln_ray.serve.audio`), at most
+    ``limits.max_audio_seconds`` long."""
+    from rbln_ray.serve.audio import check_audio, readable_by_libsndfile
+
+    if kind == "input_audio":
+        data = content.get("data") if isinstance(content, dict) else None
+    elif isinstance(content, str) and content.startswith("data:"):
+        header, sep, data = content.partition(",")
+        if not sep or not header.endswith(";base64"):
+            return 400, f"audio {i}: a data URL must be 'data:audio/<type>;base64,<data>'"
+    else:
+        return 400, (
+            f"audio {i}: only inline audio is accepted (input_audio, or a data: URL); "
+            "remote audio is not fetched"
+        )
+    try:
+        raw = base64.b64decode(data or "", validate=True)
+    except (binascii.Error, ValueError) as exc:
+        return 400, f"audio {i}: the data is not valid base64 ({exc})"
+    problem = check_audio(raw, limits)
+    if problem is not None:
+        return problem[0], f"audio {i}: {problem[1].removeprefix('file: ')}"
+    if not readable_by_libsndfile(raw):
+        return 400, (
+            f"audio {i}: not a WAV, FLAC, Ogg or MP3 file; upload other formats to "
+            "/v1/audio/transcriptions, which converts them"
+        )
+    return None
 
 
 def _check_data_url(i: int, url: str, max_pixels: int) -> tuple[int, str] | None:
@@ -211,12 +248,12 @@ def check_processor_kwargs(parsed: Any, limits: RequestLimits) -> tuple[int, str
     return None
 
 
-def replica_media_args(limits: RequestLimits, accepts_images: bool) -> dict[str, Any]:
+def replica_media_args(limits: RequestLimits, media: Sequence[str]) -> dict[str, Any]:
     """vLLM engine arguments that make a replica enforce the same policy: at most
-    ``max_images`` images a prompt, and no remote fetch unless allowed (then only from the
-    allowed domains, if any are named)."""
+    ``max_images`` images a prompt (a model whose ``media`` include images), and no remote
+    fetch unless allowed (then only from the allowed domains, if any are named)."""
     args: dict[str, Any] = {}
-    if accepts_images:
+    if "image" in media:
         args["limit_mm_per_prompt"] = {"image": limits.max_images}
     if not limits.allow_remote_images:
         args["allowed_media_domains"] = [NO_REMOTE_DOMAIN]

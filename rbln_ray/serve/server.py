@@ -55,8 +55,9 @@ def engine_namespace(
     kwargs = cfg.vllm_kwargs()
     for key, value in lora_engine_args(cfg, model_path).items():  # its compiled adapters
         kwargs.setdefault(key, value)
-    accepts_images = vision_for_dir(model_path) is not None
-    kwargs.update(replica_media_args(limits or RequestLimits(), accepts_images))
+    family = vision_for_dir(model_path)
+    media = family.inputs if family is not None else ()
+    kwargs.update(replica_media_args(limits or RequestLimits(), media))
     args = serve_namespace(model_path, cfg.name, kwargs)
     if "fingerprint_mode" not in kwargs:
         # vLLM's default fingerprint hashes the whole engine config, which includes this

@@ -32,10 +32,15 @@ def load_compiled_model(
 
     from rbln_ray.upstream.optimum_models import rbln_class
 
+    extra: dict[str, Any] = {}
     if isinstance(artifact, EncoderArtifact | SpeechArtifact):
         cls = rbln_class(artifact.family.optimum_class)
     elif artifact.is_multimodal:
-        cls = getattr(optimum.rbln, VISION[artifact.vision_family].optimum_class)
+        family = VISION[artifact.vision_family]
+        cls = getattr(optimum.rbln, family.optimum_class)
+        config = family.code().hf_config(artifact.path)
+        if config is not None:  # e.g. Qwen3-ASR: vLLM's own class for its model_type
+            extra["config"] = config
     elif artifact.pooling:  # a decoder compiled for embeddings (e.g. RBLNQwen3Model)
         cls = rbln_class(POOLING_DECODERS[artifact.pooling].optimum_class)
     else:
@@ -43,4 +48,4 @@ def load_compiled_model(
     device: int | list[int] = device_ids[0] if len(device_ids) == 1 else list(device_ids)
     logger.info("loading %s on RBLN device(s) %s", artifact.path, device)
     path = loadable_dir(artifact.path) if getattr(artifact, "lora", None) else artifact.path
-    return cls.from_pretrained(str(path), export=False, rbln_device=device)
+    return cls.from_pretrained(str(path), export=False, rbln_device=device, **extra)

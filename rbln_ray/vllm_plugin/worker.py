@@ -22,6 +22,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from rbln_ray.common import envs, framing
 from rbln_ray.compile.artifact import CompiledArtifact
 from rbln_ray.emulator import is_emulated
+from rbln_ray.families.registry import VISION
 from rbln_ray.vllm_plugin.device_metrics import DeviceMetrics
 from rbln_ray.vllm_plugin.host_kv_connector import open_tier
 from rbln_ray.vllm_plugin.host_transfer import HostTransfer, kv_layout
@@ -152,7 +153,10 @@ class RBLNWorker(CompiledLoRAWorker, WorkerBase):
         return CompilationTimes(language_model=0.0, encoder=0.0)
 
     def get_supported_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
+        # A decoder over audio features (Qwen3-ASR) also transcribes, as vLLM's own runner
+        # reports for a model that supports transcription: vLLM then serves /v1/audio/*.
+        family = VISION.get(self.artifact.vision_family)
+        return ("generate", "transcription") if family and family.transcribes else ("generate",)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         output = self.model_runner.execute_model(scheduler_output)

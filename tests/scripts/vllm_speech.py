@@ -1,11 +1,13 @@
-"""Transcribe audio through ``vllm.LLM`` (Whisper's encoder-decoder prompts); JSON on stdout.
+"""Transcribe audio through ``vllm.LLM``; JSON on stdout.
 
-rbln-ray with ``RBLN_RAY_DEVICE=emulated`` (the RBLN platform runs the compiled Whisper),
+rbln-ray with ``RBLN_RAY_DEVICE=emulated`` (the RBLN platform runs the compiled model),
 plain vLLM-CPU with ``auto`` and no runtime. Usage: vllm_speech.py @SPEC_PATH, the spec:
 ``model``, ``llm_kwargs``, ``requests`` (``audio``: a path to a float32 .npy of 16 kHz
 samples, ``prompt``: the decoder prompt, ``max_tokens``), ``refusals``: further LLM kwargs
-that must each be refused. Output: per request its output token ids, the runner's step
-stats (rbln-ray), and each refusal's error.
+that must each be refused; ``audio_in_prompt``: the audio belongs to the prompt itself (a
+decoder-only model over audio features, Qwen3-ASR), else to an encoder prompt (Whisper's
+encoder-decoder prompts). Output: per request its prompt and output token ids, the
+runner's step stats (rbln-ray), and each refusal's error.
 """
 
 import gc
@@ -21,13 +23,16 @@ def main(spec: dict) -> dict:
     llm = LLM(model=spec["model"], seed=0, enforce_eager=True, **spec.get("llm_kwargs", {}))
     prompts, params = [], []
     for req in spec["requests"]:
-        audio = np.load(req["audio"])
-        prompts.append(
-            {
-                "encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (audio, 16000)}},
-                "decoder_prompt": req["prompt"],
-            }
-        )
+        audio = {"audio": (np.load(req["audio"]), 16000)}
+        if spec.get("audio_in_prompt"):
+            prompts.append({"prompt": req["prompt"], "multi_modal_data": audio})
+        else:
+            prompts.append(
+                {
+                    "encoder_prompt": {"prompt": "", "multi_modal_data": audio},
+                    "decoder_prompt": req["prompt"],
+                }
+            )
         params.append(SamplingParams(temperature=0, max_tokens=req["max_tokens"]))
     outs = llm.generate(prompts, params, use_tqdm=False)
     result = {

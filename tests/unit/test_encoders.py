@@ -95,7 +95,7 @@ def test_decoder_checkpoints_read_as_pooling_models_by_runner_and_overrides() ->
 
 @pytest.mark.parametrize(
     ("arch", "why"),
-    [("T5EncoderModel", "no T5 model"), ("Qwen3ASRForConditionalGeneration", "torchvision")],
+    [("T5EncoderModel", "no T5 model"), ("Qwen3_5MoeForCausalLM", "no RBLNQwen3_5Moe class")],
 )
 def test_refused_architectures_say_why(arch: str, why: str) -> None:
     with pytest.raises(UnsupportedModelError, match=why):

@@ -235,9 +235,9 @@ def test_build_model_builds_every_family_as_the_table_says(
 def test_build_model_builds_every_vision_language_family(
     tmp_path: Path, capsys: pytest.CaptureFixture, name: str
 ) -> None:
-    """``rbln-ray build-model llava`` (or ``qwen2-vl``) writes a model directory with the
-    image processor and the chat template vLLM's multimodal processor loads (offline, without
-    torchvision), recognised as its family."""
+    """``rbln-ray build-model llava`` (or ``qwen2-vl``, ``qwen3_asr``) writes a model
+    directory with the image (or audio) processor and the chat template vLLM's multimodal
+    processor loads (offline, without torchvision), recognised as its family."""
     from rbln_ray.compile.vision import load_hf_processor
     from rbln_ray.models.vision import image_placeholder
 
@@ -251,11 +251,13 @@ def test_build_model_builds_every_vision_language_family(
     assert vision_for_dir(out) is family
     processor = load_hf_processor(out)
     assert processor.chat_template
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]
+    media = "audio" if family.transcribes else "image"
+    messages = [{"role": "user", "content": [{"type": media}, {"type": "text", "text": "?"}]}]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     placeholder = image_placeholder(name)
-    if placeholder:  # a prompt names each image where it stands
-        assert str(processor.image_token) in placeholder and placeholder in prompt
+    if placeholder:  # a prompt names each image (or clip) where it stands
+        token = processor.audio_token if family.transcribes else processor.image_token
+        assert str(token) in placeholder and placeholder in prompt
     else:  # the processor puts the image before the text itself (BLIP-2)
         assert family.images_at_start and "?" in prompt
 
@@ -543,3 +545,43 @@ def test_gemma3_merges_the_newlines_an_image_insertion_touches_as_the_tokenizer_
     # five newlines take two tokens: the inserted "\n\n" starts inside the first
     merged, where = merge_newlines([n[3], n[2], 50], {1, 2}, newlines, encode)
     assert merged == [n[4], n[1], 50] and where == [0, 0, 2]
+
+
+@pytest.mark.parametrize(
+    ("context", "language"), [(None, None), (None, "en"), ("Words: <|im_end|>fox.", "de")]
+)
+def test_qwen3_asr_transcription_prompts_are_transformers_requests(
+    context: str | None, language: str | None
+) -> None:
+    """The prompt rbln-ray's declaration gives vLLM's transcription server equals, through
+    transformers' processor, transformers' own ``apply_transcription_request`` (chat template,
+    forced language by name, the request's context as the system turn); ChatML markers in
+    the context are dropped first, as vLLM's own does."""
+    import numpy as np
+    from transformers import Qwen3ASRProcessor
+
+    from rbln_ray.families.qwen3_asr import LANGUAGES, sanitize, transcription_prompt
+    from rbln_ray.models import build_tiny_vlm
+
+    processor = Qwen3ASRProcessor.from_pretrained(build_tiny_vlm(family="qwen3_asr"))
+    clip = np.random.default_rng(0).standard_normal(16000 * 3).astype(np.float32) / 10
+    name = LANGUAGES[language] if language else None
+    ours = processor(text=[transcription_prompt(context, name)], audio=[clip], return_tensors="pt")
+    theirs = processor.apply_transcription_request(
+        clip, language=language, prompt=sanitize(context) or None
+    )
+    assert ours["input_ids"].tolist() == theirs["input_ids"].tolist()
+    assert sanitize("<|im<|x|>_end|>a<asr_te<asr_text>xt>b") == "ab"
+
+
+def test_qwen3_asr_checkpoints_in_the_original_layout_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = {"architectures": ["Qwen3ASRForConditionalGeneration"], "thinker_config": {}}
+    (hf / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_asr"}))
+    assert cli_main(["compile", str(hf), str(tmp_path / "out"), "--max-seq-len", "512"]) == 2
+    err = capsys.readouterr().err
+    assert "original layout (thinker_config)" in err and "Qwen3-ASR-*-hf" in err, err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()

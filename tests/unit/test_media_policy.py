@@ -8,6 +8,7 @@ import base64
 import io
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -21,12 +22,20 @@ from rbln_ray.serve.media_policy import (
 )
 
 IMAGES = ("image",)
+AUDIO = ("audio",)
 
 
 def png_url(width: int, height: int) -> str:
     buf = io.BytesIO()
     Image.new("RGB", (width, height), (10, 20, 30)).save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def wav_b64(seconds: float) -> str:
+    """A silent 16 kHz mono WAV of ``seconds``, base64 (what ``input_audio`` carries)."""
+    from rbln_ray.models.speech import wav_bytes
+
+    return base64.b64encode(wav_bytes(np.zeros(int(seconds * 16000), np.float32))).decode()
 
 
 def user(*parts: dict) -> list[dict]:
@@ -83,6 +92,14 @@ def test_a_good_image_passes_and_text_only_requests_are_untouched() -> None:
         ({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, IMAGES, 400,
          "does not accept video"),
         ({"audio_url": "http://h/a.wav"}, IMAGES, 400, "does not accept audio"),
+        ({"audio_url": "http://h/a.wav"}, AUDIO, 400, "remote audio is not fetched"),
+        ({"type": "audio_url", "audio_url": {"url": "data:audio/wav,raw"}}, AUDIO, 400,
+         "base64"),
+        ({"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}}, AUDIO, 400,
+         "not valid base64"),
+        ({"type": "input_audio", "input_audio": {"data": base64.b64encode(b"no audio").decode(),
+          "format": "wav"}}, AUDIO, 400, "audio 0"),
+
         ({"type": "image_embeds", "image_embeds": "AAAA"}, IMAGES, 400, "not accepted"),
         ({"image_url": None, "uuid": "someone-elses-image"}, IMAGES, 400, "not accepted"),
     ],
@@ -96,6 +113,21 @@ def test_bad_media_are_refused_naming_the_problem(
         problem = (400, str(exc))
     assert problem is not None and problem[0] == status
     assert needle in problem[1].lower(), problem[1]
+
+
+def test_inline_audio_passes_for_a_speech_to_text_model_within_the_limits() -> None:
+    clip = {"type": "input_audio", "input_audio": {"data": wav_b64(2.0), "format": "wav"}}
+    assert check(user(clip), accepts=AUDIO) is None
+    as_url = {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + wav_b64(1)}}
+    assert check(user(as_url), accepts=AUDIO) is None
+    problem = check(user(clip), accepts=AUDIO, max_audio_seconds=1)
+    assert problem == (
+        400,
+        "audio 0: the audio is 2.0 s long, more than limits.max_audio_seconds = 1",
+    )
+    video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    problem = check(user(video), accepts=("image", "video"))
+    assert problem is not None and "not served yet" in problem[1]
 
 
 def test_remote_images_pass_only_when_allowed() -> None:
@@ -129,10 +161,14 @@ def test_processor_kwargs_only_from_the_allow_list() -> None:
 
 
 def test_replicas_fetch_nothing_remote_unless_allowed() -> None:
-    assert replica_media_args(RequestLimits(), True) == {
+    assert replica_media_args(RequestLimits(), IMAGES) == {
         "limit_mm_per_prompt": {"image": 8},
         "allowed_media_domains": [NO_REMOTE_DOMAIN],
     }
     some = RequestLimits(allow_remote_images=True, allowed_media_domains=["img.example.com"])
-    assert replica_media_args(some, False) == {"allowed_media_domains": ["img.example.com"]}
-    assert replica_media_args(RequestLimits(allow_remote_images=True), False) == {}
+    assert replica_media_args(some, ()) == {"allowed_media_domains": ["img.example.com"]}
+    assert replica_media_args(RequestLimits(allow_remote_images=True), ()) == {}
+    # a speech-to-text model's clips per prompt are its processor's (one): no image limit
+    assert replica_media_args(RequestLimits(), AUDIO) == {
+        "allowed_media_domains": [NO_REMOTE_DOMAIN]
+    }

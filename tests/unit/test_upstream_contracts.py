@@ -1,7 +1,7 @@
 """Contract: every private access of :mod:`rbln_ray.upstream` still finds what it relies on in
-the installed vLLM, Ray, optimum-rbln and torch, and the adapters behave as their callers
-assume. A failure names the upstream, its installed and pinned versions, the internal and the
-rbln-ray code that uses it.
+the installed vLLM, Ray, optimum-rbln, torch and transformers, and the adapters behave as
+their callers assume. A failure names the upstream, its installed and pinned versions, the
+internal and the rbln-ray code that uses it.
 """
 
 from __future__ import annotations
@@ -18,10 +18,18 @@ from rbln_ray.upstream import (
     ray_internals,
     rebel_internals,
     torch_internals,
+    transformers_internals,
     vllm_internals,
 )
 
-ADAPTERS = (vllm_internals, ray_internals, optimum_internals, torch_internals, rebel_internals)
+ADAPTERS = (
+    vllm_internals,
+    ray_internals,
+    optimum_internals,
+    torch_internals,
+    rebel_internals,
+    transformers_internals,
+)
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -89,6 +97,7 @@ def test_private_upstream_modules_are_imported_only_by_the_adapters() -> None:
         "_copy_kv_cache",
         "_actions",
         "_apply_token_matches_with_placeholders",
+        "_get_audio_token_length",
     }
     offenders = []
     for path in sorted((ROOT / "rbln_ray").rglob("*.py")):
