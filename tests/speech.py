@@ -88,8 +88,9 @@ def reference(
 
 
 def asr_reference(model_dir, audio: list, prompts: list[str], max_tokens: list[int]) -> list:
-    """transformers' greedy ``generate`` of each chunk on its HF processor's inputs: (prompt
-    ids, new tokens up to ``max_tokens`` or an end token)."""
+    """transformers' greedy ``generate`` of each chunk on its HF processor's inputs (a
+    text-only prompt, ``None`` for its chunk: its tokens alone, which the processor does not
+    take): (prompt ids, new tokens up to ``max_tokens`` or an end token)."""
     import torch
     from transformers import Qwen3ASRForConditionalGeneration, Qwen3ASRProcessor
 
@@ -98,7 +99,12 @@ def asr_reference(model_dir, audio: list, prompts: list[str], max_tokens: list[i
     out = []
     with torch.no_grad():
         for y, prompt, n in zip(audio, prompts, max_tokens, strict=True):
-            inputs = processor(text=[prompt], audio=[y], sampling_rate=16000, return_tensors="pt")
+            if y is None:
+                inputs = processor.tokenizer([prompt], return_tensors="pt")
+            else:
+                inputs = processor(
+                    text=[prompt], audio=[y], sampling_rate=16000, return_tensors="pt"
+                )
             ids = inputs["input_ids"][0].tolist()
             gen = model.generate(**inputs, max_new_tokens=n, do_sample=False)
             out.append((ids, gen[0, len(ids) :].tolist()))

@@ -3,7 +3,8 @@
 rbln-ray with ``RBLN_RAY_DEVICE=emulated`` (the RBLN platform runs the compiled model),
 plain vLLM-CPU with ``auto`` and no runtime. Usage: vllm_speech.py @SPEC_PATH, the spec:
 ``model``, ``llm_kwargs``, ``requests`` (``audio``: a path to a float32 .npy of 16 kHz
-samples, ``prompt``: the decoder prompt, ``max_tokens``), ``refusals``: further LLM kwargs
+samples, or null for a text-only prompt; ``prompt``: the decoder prompt, ``max_tokens``),
+``refusals``: further LLM kwargs
 that must each be refused; ``audio_in_prompt``: the audio belongs to the prompt itself (a
 decoder-only model over audio features, Qwen3-ASR), else to an encoder prompt (Whisper's
 encoder-decoder prompts). Output: per request its prompt and output token ids, the
@@ -23,6 +24,10 @@ def main(spec: dict) -> dict:
     llm = LLM(model=spec["model"], seed=0, enforce_eager=True, **spec.get("llm_kwargs", {}))
     prompts, params = [], []
     for req in spec["requests"]:
+        if req["audio"] is None:  # a text-only prompt (a decoder-only model's)
+            prompts.append({"prompt": req["prompt"]})
+            params.append(SamplingParams(temperature=0, max_tokens=req["max_tokens"]))
+            continue
         audio = {"audio": (np.load(req["audio"]), 16000)}
         if spec.get("audio_in_prompt"):
             prompts.append({"prompt": req["prompt"], "multi_modal_data": audio})

@@ -10,9 +10,9 @@ requests join rows while others decode.
 Qwen3-ASR (the catalogue issue): a tiny one with transformers' own processor, the same clips
 and chunks, each with the transcription prompts vLLM's server builds (language detected,
 forced, a request's context as the system turn, a translation), all at once to a decoder of
-4 rows: prompt ids and greedy tokens equal transformers' on the HF processor's inputs, a
-30-second chunk's 390 audio tokens prefilled over several 128-token chunks while others
-decode."""
+4 rows, and a text-only prompt: prompt ids and greedy tokens equal transformers' on the HF
+processor's inputs, a 30-second chunk's 390 audio tokens prefilled over several 128-token
+chunks while others decode."""
 
 from __future__ import annotations
 
@@ -133,6 +133,9 @@ def asr(tmp_path_factory) -> dict:
                     {"audio": str(path), "prompt": prompt, "max_tokens": budget, "kind": kind}
                 )
                 audio.append(piece)
+    text_only = "<|im_start|>user\nno audio, only text<|im_end|>\n<|im_start|>assistant\n"
+    requests.append({"audio": None, "prompt": text_only, "max_tokens": MAX_TOKENS, "kind": "text"})
+    audio.append(None)
     spec = {
         "model": str(model),
         "audio_in_prompt": True,
@@ -163,7 +166,7 @@ def test_qwen3_asr_prompts_and_tokens_equal_transformers(asr) -> None:
     pairs = list(zip(asr["requests"], want, strict=True))
     detected = {tuple(t[:8]) for r, (_, t) in pairs if r["kind"] == "detect"}
     assert len(detected) == 5  # chunks
-    short = {tuple(t[:8]) for r, (_, t) in pairs if r["audio"].endswith("tone-3s-0.npy")}
+    short = {tuple(t[:8]) for r, (_, t) in pairs if (r["audio"] or "").endswith("tone-3s-0.npy")}
     assert len(short) == len(ASR_PROMPTS)
 
 
