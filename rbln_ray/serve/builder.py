@@ -229,7 +229,7 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
         **ingress_options(config.ingress)
     )
     lens = {m.name: compiled_max_seq_len(m) for m in config.models}
-    media = {m.name: list(accepted_media(m)) for m in config.models if accepted_media(m)}
+    media = {m.name: list(found) for m in config.models if (found := accepted_media(m))}
     bases = adapter_bases(config.models)  # LoRA adapters, served by their base's deployment
     return ingress.bind(
         servers,

@@ -304,8 +304,8 @@ class OpenAIIngress:
     ``max_tokens`` beyond it or beyond the configured cap gets one message;
     ``media_models`` maps each multimodal model to the media a request may give it (images,
     videos, audio; any other model takes none, :mod:`rbln_ray.serve.media_policy`);
-    ``lora_bases`` maps each LoRA adapter's
-    name to the model whose deployment serves it (:mod:`rbln_ray.serve.lora_models`).
+    ``lora_bases`` maps each LoRA adapter's name to the model whose deployment serves it
+    (:mod:`rbln_ray.serve.lora_models`).
     """
 
     async def __init__(
