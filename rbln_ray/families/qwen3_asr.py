@@ -27,7 +27,6 @@ engine's ``hf_config``.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -57,6 +56,7 @@ from vllm.multimodal.processing import (
     PromptUpdate,
 )
 from vllm.tokenizers import cached_tokenizer_from_config
+from vllm.transformers_utils.processor import cached_processor_from_config
 
 from rbln_ray.families.contract import VisionCode
 from rbln_ray.families.vision_base import Declaration, PromptEmbedder, tiny_text_kwargs
@@ -119,11 +119,6 @@ def transcription_text(output: str) -> str:
     """The transcription in a generated ``language <Name><asr_text>text``: what follows the
     last ``<asr_text>`` (the whole output when the model wrote none)."""
     return output.rsplit(ASR_TEXT, 1)[1] if ASR_TEXT in output else output
-
-
-@functools.cache
-def _processor(model_dir: str) -> Qwen3ASRProcessor:
-    return Qwen3ASRProcessor.from_pretrained(model_dir)
 
 
 # ----------------------------------------------------------------------------- front end
@@ -238,7 +233,8 @@ class RBLNQwen3ASRDeclaration(Declaration, SupportsMultiModal, SupportsTranscrip
     def get_speech_to_text_config(
         cls, model_config: ModelConfig, task_type: str
     ) -> SpeechToTextConfig:
-        extractor = _processor(model_config.model).feature_extractor
+        processor = cached_processor_from_config(model_config, processor_cls=Qwen3ASRProcessor)
+        extractor = processor.feature_extractor
         return SpeechToTextConfig(
             max_audio_clip_s=extractor.chunk_length, sample_rate=extractor.sampling_rate
         )

@@ -24,12 +24,10 @@ def main(spec: dict) -> dict:
     llm = LLM(model=spec["model"], seed=0, enforce_eager=True, **spec.get("llm_kwargs", {}))
     prompts, params = [], []
     for req in spec["requests"]:
-        if req["audio"] is None:  # a text-only prompt (a decoder-only model's)
+        audio = {"audio": (np.load(req["audio"]), 16000)} if req["audio"] else None
+        if audio is None:  # a text-only prompt (a decoder-only model's)
             prompts.append({"prompt": req["prompt"]})
-            params.append(SamplingParams(temperature=0, max_tokens=req["max_tokens"]))
-            continue
-        audio = {"audio": (np.load(req["audio"]), 16000)}
-        if spec.get("audio_in_prompt"):
+        elif spec.get("audio_in_prompt"):
             prompts.append({"prompt": req["prompt"], "multi_modal_data": audio})
         else:
             prompts.append(
