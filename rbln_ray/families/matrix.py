@@ -1,5 +1,5 @@
-"""The README's support matrices, rendered from the registry (a test keeps the README's copies
-equal to these: ``tests/unit/test_families.py``)."""
+"""The support matrices of the docs and the README's catalogue, rendered from the registry (a
+test keeps the pages' copies equal to these: ``tests/unit/test_families.py``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from rbln_ray.families.registry import (
     ENCODERS,
     POOLING_DECODERS,
     SPEECH,
+    UNSUPPORTED,
     VISION,
     DecoderFamily,
     Family,
@@ -127,3 +128,27 @@ def matrices() -> dict[str, str]:
         "vision": vision_matrix(),
         "speech": speech_matrix(),
     }
+
+
+def catalogue() -> str:
+    """The README's table: every family by kind (HF architectures), and what is refused; the
+    matrices above say how each is served and which test verifies it."""
+
+    def names(families) -> str:
+        return ", ".join(f"`{f.architecture}`" for f in families)
+
+    speech = [*SPEECH.values(), *(v for v in VISION.values() if v.transcribes)]
+    rows = [
+        "| kind | families (HF architecture) | details |",
+        "|---|---|---|",
+        f"| decoder-only LLMs | {names(DECODERS.values())} "
+        "| [Models and families](docs/guides/models.md) |",
+        f"| vision-language | {names(v for v in VISION.values() if not v.transcribes)} "
+        "| [Vision-language models](docs/guides/vision-language.md) |",
+        f"| embeddings and rerankers | {names([*ENCODERS.values(), *POOLING_DECODERS.values()])}"
+        " | [Embeddings and rerankers](docs/guides/pooling.md) |",
+        f"| speech to text | {names(speech)} | [Speech to text](docs/guides/speech.md) |",
+        f"| refused, with the reason | {', '.join(f'`{a}`' for a in UNSUPPORTED)} "
+        "| [Models and families](docs/guides/models.md) |",
+    ]
+    return "\n".join(rows)

@@ -130,9 +130,26 @@ def replica_max_ongoing(cfg: ModelDeploymentConfig) -> int:
 
 
 def server_bundles(cfg: ModelDeploymentConfig) -> list[dict[str, float]]:
-    """Replica placement group: the replica itself, then one RBLN bundle per worker."""
+    """Replica placement group: the replica itself, then one RBLN bundle per worker; one
+    bundle with the devices for a replica that drives them itself (``in_process_worker``)."""
     workers, devices = worker_layout(cfg)
+    if cfg.in_process_worker:
+        if workers != 1:
+            raise ValueError(
+                f"model {cfg.name}: {cfg.model} has {workers} pipeline stages, whose workers "
+                "run as Ray actors; drop engine_kwargs.distributed_executor_backend"
+            )
+        return [{"CPU": 1, "RBLN": devices}]
     return [{"CPU": 1}] + [{"RBLN": devices, "CPU": 1} for _ in range(workers)]
+
+
+def server_actor_options(cfg: ModelDeploymentConfig) -> dict[str, Any]:
+    """The replica actor's resources: none of its own (its bundle holds its CPU), or its
+    devices when it drives them itself, so that Ray sets ``RBLN_DEVICES`` for it (and the
+    engine process it starts)."""
+    if not cfg.in_process_worker:
+        return {"num_cpus": 0}
+    return {"num_cpus": 0, "resources": {"RBLN": server_bundles(cfg)[0]["RBLN"]}}
 
 
 def build_server(
@@ -151,7 +168,7 @@ def build_server(
         "health_check_period_s": cfg.health_check_period_s,
         "health_check_timeout_s": cfg.health_check_timeout_s,
         "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
-        "ray_actor_options": {"num_cpus": 0},
+        "ray_actor_options": server_actor_options(cfg),
     }
     if routing == "prefix_affinity":  # it also pins calls about stored responses
         options["request_router_config"] = RequestRouterConfig(

@@ -168,6 +168,11 @@ class DisaggregationConfig(_Strict):
 
 # ModelDeploymentConfig fields that are `vllm serve` options of the same name.
 SERVE_FIELDS = ("chat_template", "tool_call_parser", "enable_auto_tool_choice", "reasoning_parser")
+# `vllm serve --distributed-executor-backend` values a replica runs: the RBLN Ray executor
+# (the default, "ray"), or vLLM's in-process worker ("uni"; "mp" means the same on RBLN,
+# whose devices sit behind one process either way).
+RAY_BACKEND = "ray"
+IN_PROCESS_BACKENDS = ("uni", "mp")
 
 
 class ModelDeploymentConfig(PlacementSettings):
@@ -226,6 +231,34 @@ class ModelDeploymentConfig(PlacementSettings):
             return self
         self.num_replicas = replica_count(self.num_replicas, self.autoscaling_config, what)
         return self
+
+    @model_validator(mode="after")
+    def _executor(self) -> ModelDeploymentConfig:
+        """``engine_kwargs.distributed_executor_backend``: a value a replica can run, and an
+        in-process worker only where one worker serves the whole engine."""
+        backend = self.engine_kwargs.get("distributed_executor_backend")
+        if backend in (None, RAY_BACKEND):
+            return self
+        what = f"model {self.name}: engine_kwargs.distributed_executor_backend={backend!r}"
+        if backend not in IN_PROCESS_BACKENDS:
+            raise ValueError(
+                f"{what} is not served: use 'ray' (the RBLN Ray executor, the default) or "
+                "'uni' (the worker inside the replica's engine process)"
+            )
+        if self.pipeline_stages != 1 or self.pd is not None:
+            raise ValueError(
+                f"{what}: pipeline stages and prefill/decode pools run their workers as Ray "
+                "actors; drop it (or use 'ray')"
+            )
+        return self
+
+    @property
+    def in_process_worker(self) -> bool:
+        """Whether the replica drives its devices itself (``distributed_executor_backend``
+        ``uni``): it holds the ``RBLN`` devices, and its engine process runs the worker, so a
+        replica is two processes instead of three. Its worker is no Ray actor, so the RBLN
+        device counters (``ray_rbln_*``) are not exported for it."""
+        return self.engine_kwargs.get("distributed_executor_backend") in IN_PROCESS_BACKENDS
 
     def _check_disaggregation(self) -> None:
         """A ``pd`` model's settings that cannot work, refused at load with the reason."""

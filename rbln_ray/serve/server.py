@@ -5,7 +5,8 @@ argument parser, ``build_app`` and ``init_app_state``), so every route, protocol
 template, tool and reasoning parser, validation and error body is vLLM's. The engine runs on
 :class:`~rbln_ray.executor.RBLNRayExecutor`, whose worker actors take the ``RBLN`` bundles of
 the replica's placement group: Serve places a replica only where its devices are free, and
-the devices die with the replica.
+the devices die with the replica. With ``distributed_executor_backend: uni`` the replica
+holds the devices itself and its engine process runs the worker (one process fewer).
 
 Requests arrive through a ``DeploymentHandle`` (``stream=True``) as
 :class:`~rbln_ray.serve.http_call.HTTPCall` objects: :meth:`LLMServer.http` runs each through
@@ -64,7 +65,8 @@ def engine_namespace(
         # replica's own Ray driver details: every replica would answer with another one.
         args.fingerprint_mode = "custom"
         args.fingerprint_value = deployment_fingerprint(cfg, model_path)
-    args.distributed_executor_backend = "rbln_ray.executor.RBLNRayExecutor"
+    if not cfg.in_process_worker:
+        args.distributed_executor_backend = "rbln_ray.executor.RBLNRayExecutor"
     placement = cfg.placement().model_dump()
     args.additional_config = {
         **(args.additional_config or {}),
@@ -194,8 +196,9 @@ class LLMServer:
             stat_loggers.append(self._service_times.stat_logger())
         engine_args = AsyncEngineArgs.from_cli_args(args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-        # The replica's placement group holds the RBLN bundles its worker actors will use.
-        vllm_config.parallel_config.placement_group = ray.util.get_current_placement_group()
+        if not self.cfg.in_process_worker:
+            # The replica's placement group holds the RBLN bundles its worker actors will use.
+            vllm_config.parallel_config.placement_group = ray.util.get_current_placement_group()
         self.engine = AsyncLLM.from_vllm_config(
             vllm_config=vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,

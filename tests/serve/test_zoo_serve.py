@@ -1,8 +1,10 @@
 """Model-zoo families, speech to text and the pooling breadth through one Serve app and the
-real ``openai`` client (one app start for all: its replicas start side by side).
+real ``openai`` client (one app start for all: its replicas start side by side, each driving
+its device itself, ``distributed_executor_backend: uni``).
 
-Zoo: a sliding-window family (Gemma2, hybrid cache) and an MoE family (Mixtral), each under
-concurrent requests longer than the sliding window, greedy text equal to transformers'.
+Zoo: a sliding-window family (Gemma2, hybrid cache), an MoE family (Mixtral), Gemma 4 text
+and Qwen3.5 text (the catalogue issue, acceptance 2), each under concurrent requests longer
+than the sliding window, greedy text equal to transformers'.
 
 Speech (acceptance 1, 2 and 4 of the speech issue): the tiny Whisper (4 decoder rows) beside a
 Qwen3 embedder, a Qwen3 reranker, a BERT cross-encoder and a ModernBERT embedder.
@@ -31,7 +33,18 @@ from tests.speech import PROMPT, asr_reference, chunks, clips, reference
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = {"gemma2": "sliding window (hybrid)", "mixtral": "MoE"}
+FAMILIES = {
+    "gemma2": "sliding window (hybrid)",
+    "mixtral": "MoE",
+    "gemma4": "Gemma 4 text (hybrid, embeddings on the host)",
+    "qwen3_5_text": "Qwen3.5 text (linear attention)",
+}
+# optimum-rbln compiles Qwen3.5 with flash attention only (its registry record says why)
+FAMILY_COMPILE = {"qwen3_5_text": {"attn_impl": "flash_attn"}}
+# Every replica drives its device itself (`vllm serve --distributed-executor-backend uni`):
+# two processes a model instead of three, so that this many models fit beside the
+# multi-node tests.
+IN_PROCESS = {"distributed_executor_backend": "uni"}
 # Python source, as the tiny models' tokenizer was trained on: well over the 64-token window.
 PROMPTS = [
     "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n"
@@ -58,7 +71,11 @@ def zoo_app() -> Iterator[RunningApp]:
     from tests.vllm_plugin.test_embeddings import model_dir
 
     models = [
-        {"name": family, "model": str(compiled_model(family)), "num_replicas": 1}
+        {
+            "name": family,
+            "model": str(compiled_model(family, **FAMILY_COMPILE.get(family, {}))),
+            "num_replicas": 1,
+        }
         for family in FAMILIES
     ]
     whisper = resolve_compiled_dir(build_tiny_whisper(), CompileSettings(batch_size=4))
@@ -67,8 +84,10 @@ def zoo_app() -> Iterator[RunningApp]:
         build_tiny_vlm(family="qwen3_asr"), CompileSettings(batch_size=4, max_seq_len=1024)
     )
     models.append({"name": "qwen3-asr", "model": str(asr), "num_replicas": 1})
+    for model in models:
+        model["engine_kwargs"] = dict(IN_PROCESS)
     for family in POOLING:
-        engine: dict = {"max_model_len": EMBED_MAX_LEN}
+        engine: dict = {"max_model_len": EMBED_MAX_LEN, **IN_PROCESS}
         record = POOLING_DECODERS.get(family)
         if record is not None:  # a decoder checkpoint, served as vLLM serves it: --runner
             engine["runner"] = "pooling"
@@ -92,6 +111,26 @@ def zoo_app() -> Iterator[RunningApp]:
         yield app
     finally:
         stop_app()
+
+
+def test_each_replica_drives_its_own_device_in_process(zoo_app: RunningApp) -> None:
+    """``distributed_executor_backend: uni``: each replica's one worker runs in the engine
+    process the replica started (no Ray actor), on the device Ray gave the replica; no two
+    replicas share one."""
+    import psutil
+    from ray import serve
+
+    from rbln_ray.serve import APP_NAME
+    from rbln_ray.serve.naming import server_deployment_name
+
+    devices = {}
+    for name in [*FAMILIES, "whisper", "qwen3-asr", *POOLING]:
+        handle = serve.get_deployment_handle(server_deployment_name(name), APP_NAME)
+        stats = handle.engine_stats.remote().result()
+        [worker] = stats["workers"]
+        assert psutil.Process(worker["pid"]).ppid() == stats["pid"], name
+        devices[name] = worker["rbln_devices"]
+    assert sorted(devices.values()) == sorted(str(d) for d in range(len(devices))), devices
 
 
 @pytest.mark.parametrize("family", list(FAMILIES), ids=list(FAMILIES))

@@ -67,6 +67,14 @@ def test_docs_support_matrices_are_the_registry(kind: str) -> None:
     )
 
 
+def test_the_readme_catalogue_is_the_registry() -> None:
+    """The README lists every family the registry serves or refuses."""
+    assert matrix.catalogue() in (ROOT / "README.md").read_text(), (
+        "README.md's family table differs from rbln_ray.families.registry; paste `python -c "
+        "'from rbln_ray.families import matrix; print(matrix.catalogue())'`"
+    )
+
+
 def test_every_verified_claim_is_a_test_case() -> None:
     """Each 'verified by' names a parametrized case that exists (and so runs in make test)."""
     from tests.vllm_plugin import test_llm_greedy, test_zoo_greedy

@@ -368,3 +368,52 @@ def test_a_handover_is_fetched_only_for_another_nodes_well_formed_export() -> No
         assert remote_source(bad, here) is None, bad
     assert transfer_params(b'{"kv_transfer_params": {"a": 1}}') == {"a": 1}
     assert transfer_params(b"not json") is None and transfer_params(b"[1]") is None
+
+
+def test_a_replica_may_drive_its_devices_itself(tmp_path, monkeypatch) -> None:
+    """``distributed_executor_backend: uni`` (``vllm serve``'s option, in ``engine_kwargs``):
+    the replica's placement group is one bundle with its devices, the replica actor holds them
+    (so Ray sets ``RBLN_DEVICES`` for it), and its engine runs vLLM's in-process worker; the
+    default stays the RBLN Ray executor. What cannot run so is refused by name."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from rbln_ray.serve import builder
+    from rbln_ray.serve.server import engine_namespace
+    from tests.unit.engine_harness import write_artifact
+
+    art = str(write_artifact(tmp_path))
+
+    def model(**fields):
+        return load_config({"models": [{"name": "m", "model": art, **fields}]}).models[0]
+
+    def backend(cfg) -> object:
+        args = engine_namespace(cfg, art)
+        args.skip_tokenizer_init = True  # the artifact has shapes only
+        engine = AsyncEngineArgs.from_cli_args(args)
+        config = engine.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        return config.parallel_config.distributed_executor_backend
+
+    def actor_options(cfg) -> dict:
+        return builder.build_server(cfg)._bound_deployment._replica_config.ray_actor_options
+
+    default = model()
+    assert builder.server_bundles(default) == [{"CPU": 1}, {"RBLN": 1, "CPU": 1}]
+    assert not actor_options(default).get("resources")
+    assert "RBLNRayExecutor" in str(backend(default))
+
+    for name in ("uni", "mp"):
+        own = model(engine_kwargs={"distributed_executor_backend": name})
+        assert own.in_process_worker
+        assert builder.server_bundles(own) == [{"CPU": 1, "RBLN": 1}]
+        assert actor_options(own)["resources"] == {"RBLN": 1}
+        assert backend(own) == "uni"
+    assert not model(engine_kwargs={"distributed_executor_backend": "ray"}).in_process_worker
+
+    with pytest.raises(ValidationError, match="'external_launcher' is not served"):
+        model(engine_kwargs={"distributed_executor_backend": "external_launcher"})
+    with pytest.raises(ValidationError, match="pipeline stages and prefill/decode pools"):
+        model(engine_kwargs={"distributed_executor_backend": "uni"}, pipeline_stages=2)
+    monkeypatch.setattr(builder, "worker_layout", lambda cfg: (2, 1))  # a staged artifact
+    with pytest.raises(ValueError, match="has 2 pipeline stages"):
+        builder.server_bundles(model(engine_kwargs={"distributed_executor_backend": "uni"}))
