@@ -5,7 +5,11 @@ on this machine; the rbln-ray Serve app with N = 1, 2, 4, 8 replicas (one device
 demo graph, whose device latency is modelled as ``--shape`` (default llama-3-8b) and spent
 sleeping, so 8 devices fit on 2 cores. Load: a closed loop of ``--per-replica-concurrency``
 x N streaming requests. Scaling efficiency = throughput(N) / (N x throughput(1)); goal >= 0.9.
-Outputs in timing mode are garbage (zeros); only the timing is meaningful.
+Outputs in timing mode are garbage (zeros); only the timing is meaningful. ``--executor uni``
+runs each replica's worker in its engine process (``distributed_executor_backend: uni``): two
+processes a replica instead of three, which is what lets 16 replicas fit in this host's memory.
+Each point records the host's busy CPU and its peak memory in use, the limits that bend the
+curve on this machine.
 
     python -m benchmarks.scaling [--quick]
 """
@@ -36,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-replica", type=int, default=24)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--executor", choices=("ray", "uni"), default="ray",
+                   help="the replicas' distributed_executor_backend")  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         args.replicas, args.requests_per_replica, args.output_len = "1,2", 8, 16
@@ -70,18 +76,26 @@ def main(argv: list[str] | None = None) -> int:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         for n in replicas:
             print(f"== {n} replica(s)", flush=True)
-            url = common.deploy_serve_app(compiled, n, port, placement_strategy="PACK")
+            url = common.deploy_serve_app(
+                compiled,
+                n,
+                port,
+                placement_strategy="PACK",
+                engine_kwargs={"distributed_executor_backend": args.executor},
+            )
             asyncio.run(wait_ready(url, 900))
             prompts = common.prompts(args.requests_per_replica * n, args.input_len, vocab, seed=n)
-            res = asyncio.run(
-                run_load(url, "demo", prompts, args.output_len, args.per_replica_concurrency * n)
-            )
+            streams = args.per_replica_concurrency * n
+            with HostSampler() as host:
+                res = asyncio.run(run_load(url, "demo", prompts, args.output_len, streams))
+            res["host"] = host.summary()
             nodes = _replica_nodes()
             res["replica_nodes"] = nodes
             results[str(n)] = res
             print(
                 f"   {res['output_tok_per_s']:.1f} tok/s {res['req_per_s']:.2f} req/s "
-                f"TPOT p50 {res['tpot_ms']['p50']:.1f} ms failed {res['failed']} nodes {nodes}",
+                f"TPOT p50 {res['tpot_ms']['p50']:.1f} ms failed {res['failed']} nodes {nodes} "
+                f"host {res['host']}",
                 flush=True,
             )
     finally:
@@ -122,6 +136,44 @@ def main(argv: list[str] | None = None) -> int:
     g = goals["scaling_ge_0.9N"]
     print(f"goal scaling >= 0.9 x N: {'MET' if g['met'] else 'NOT MET'} {g}")
     return 0
+
+
+class HostSampler:
+    """The host's busy cores (mean over the load) and peak memory in use, sampled each
+    second while the load runs: the two limits of a whole cluster on one machine."""
+
+    def __enter__(self) -> HostSampler:
+        import threading
+
+        import psutil
+
+        self._stop = threading.Event()
+        self._mem: list[int] = []
+        self._cpu0 = psutil.cpu_times()
+
+        def sample() -> None:
+            while not self._stop.wait(1.0):
+                self._mem.append(psutil.virtual_memory().used)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import psutil
+
+        self._stop.set()
+        self._thread.join()
+        cpu1 = psutil.cpu_times()
+        idle = (cpu1.idle + cpu1.iowait) - (self._cpu0.idle + self._cpu0.iowait)
+        total = sum(cpu1) - sum(self._cpu0)
+        self._busy_cores = psutil.cpu_count() * (1 - idle / total) if total else 0.0
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "busy_cores_mean": round(self._busy_cores, 2),
+            "memory_used_gb_max": round(max(self._mem, default=0) / 2**30, 2),
+        }
 
 
 def _replica_nodes() -> dict[str, float]:
