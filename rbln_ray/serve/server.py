@@ -164,6 +164,11 @@ class LLMServer:
         # The replica tag of this engine's device metrics: the engine core process inherits
         # it, the Ray executor forwards it to the worker actors (envs.FORWARDED).
         os.environ["RBLN_RAY_REPLICA"] = self.replica_id
+        # An in-process worker (the engine process inherits this) opens its emulated devices
+        # as this Ray node's, as a worker actor does (rbln_ray.executor.actor): several
+        # raylets on one machine each own devices 0..N-1.
+        node_id = ray.get_runtime_context().get_node_id()
+        os.environ["RBLN_RAY_NODE_ID"] = node_id
         # Remote media (when allowed) only from public addresses, never by a redirect.
         os.environ.update(remote_media.replica_env())
         for name in UNSET_ENV:
@@ -177,7 +182,6 @@ class LLMServer:
         self.cfg = self.cfg.model_copy(update={"compile": compile_settings})
         args = engine_namespace(self.cfg, model_path, limits_cfg)
         # a host KV tier (kv_transfer_config: RBLNHostKVConnector) is this node's
-        node_id = ray.get_runtime_context().get_node_id()
         args.kv_transfer_config = on_node(args.kv_transfer_config, node_id)
         # a decode pool's replica fetches KV a prefill replica exported on another node
         self._handover = handover_for(args.kv_transfer_config, args.model, node_id)

@@ -8,7 +8,9 @@ app itself when run alone):
 
 1. ``autoscaling_config`` (min 1, max 3): under load Serve scales 1 -> 2, the third replica
    finds no free device and waits (Serve says so in the deployment's status message and the
-   controller log), and once idle it scales back to 1, freeing the devices; 0 failed.
+   controller log), and once idle it scales back to 1, freeing the devices; 0 failed. Its
+   replicas drive their devices themselves (``distributed_executor_backend: uni``), so the
+   two replicas on two raylets each open their node's device 0 in their engine process.
 2. ``serve deploy`` of a changed config while traffic runs: the model disaggregated
    (``pd: {prefill_replicas: 1, decode_replicas: 1}``), so its prefill and decode replicas
    sit on different nodes; every in-flight request finishes, 0 failed, and afterwards long
@@ -60,6 +62,7 @@ REDEPLOY_DEADLINE_S = 780
 # a hang guard, checked only after Serve has decided to scale (a separate, short wait).
 SCALE_UP_START_DEADLINE_S = 600
 PD = {"prefill_replicas": 1, "decode_replicas": 1}
+IN_PROCESS = {"distributed_executor_backend": "uni"}
 AUTOSCALING = {
     "min_replicas": 1,
     "max_replicas": 3,
@@ -108,6 +111,15 @@ class Cluster:
             timeout=120,
         )
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+def autoscaled(cluster: Cluster) -> dict:
+    """The first test's model: autoscaled, each replica driving its device itself."""
+    return {
+        "model": str(cluster.model_dir),
+        "autoscaling_config": AUTOSCALING,
+        "engine_kwargs": IN_PROCESS,
+    }
 
 
 def replicas(state: str = "RUNNING", deployment: str = DEPLOYMENT) -> int:
@@ -224,7 +236,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 def test_autoscaling_up_under_load_waits_for_devices_and_back_down(cluster: Cluster) -> None:
     import ray
 
-    cluster.deploy({"model": str(cluster.model_dir), "autoscaling_config": AUTOSCALING})
+    cluster.deploy(autoscaled(cluster))
     wait_for(app_running, 600, "app RUNNING")
     assert replicas() == 1
     total = ray.cluster_resources()["RBLN"]
@@ -267,7 +279,7 @@ def test_redeploy_under_load_loses_no_request_and_hands_kv_across_nodes(cluster:
     from ray import serve
 
     if not app_running():  # run on its own: the autoscaling app the first test leaves
-        cluster.deploy({"model": str(cluster.model_dir), "autoscaling_config": AUTOSCALING})
+        cluster.deploy(autoscaled(cluster))
         wait_for(app_running, 600, "app RUNNING")
     with Load(cluster.url, clients=REDEPLOY_CLIENTS) as load:
         wait_for(lambda: len(load.outcomes) >= 4, 300, "traffic flowing")
