@@ -747,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {k: results[k] for k in SYSTEMS if k in results}
     g = goals(results)
     settings = dict(vars(args))
-    settings |= {"compiled": str(compiled), "commit": _commit()}
+    settings |= {"compiled": str(compiled), "commit": common.commit()}
     result_name = args.name or stem(args)
     common.save(
         result_name,
@@ -766,15 +766,6 @@ def main(argv: list[str] | None = None) -> int:
     for name, goal in g.items():
         print(f"goal {name}: {goal}")
     return 0
-
-
-def _commit() -> str:
-    def git(*a: str) -> str:
-        return subprocess.run(
-            ["git", *a], cwd=common.ROOT, capture_output=True, text=True
-        ).stdout.strip()
-
-    return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain") else "")
 
 
 if __name__ == "__main__":

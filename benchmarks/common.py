@@ -149,11 +149,22 @@ def wake_probe(idle_s: float = 0.074, samples: int = 30) -> dict[str, float]:
     }
 
 
+def commit() -> str:
+    """The checkout's commit, ``-dirty`` when the tree has changes: read when a run saves its
+    results, so an edit made while it ran shows."""
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain") else "")
+
+
 def meta() -> dict[str, Any]:
     import torch
 
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "commit": commit(),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "loadavg": os.getloadavg(),

@@ -34,7 +34,6 @@ import json
 import os
 import pickle
 import statistics
-import subprocess
 import sys
 import time
 from array import array
@@ -412,14 +411,6 @@ def plot(rows: list[dict[str, Any]], validation: dict[str, Any], quick: bool) ->
     return path
 
 
-def _commit() -> str:
-    def git(*a: str) -> str:
-        out = subprocess.run(["git", *a], cwd=common.ROOT, capture_output=True, text=True)
-        return out.stdout.strip()
-
-    return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain") else "")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke: 4 and 16 replicas, 60 s")
@@ -447,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = (x.split(":") for x in args.routers.split(",") if x)
     args.router_counts = {int(a): int(b) for a, b in pairs}
     args.validation_rates = RATES if not args.quick else (GOAL_RATE,)
-    commit = _commit()
+    commit = common.commit()
     t0 = time.time()
     load_before = os.getloadavg()
     corpus = Corpus()

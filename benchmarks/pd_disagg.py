@@ -43,7 +43,6 @@ from typing import Any
 from benchmarks import common
 from benchmarks.cluster_goodput import (
     MODEL,
-    _commit,
     capacity,
     compiled_model,
     deploy,
@@ -185,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     g = goals(co, splits_out[best])
     name = f"pd_disagg-{args.workload}" if args.workload != "prefill" else "pd_disagg"
     settings = dict(vars(args)) | {"pd_split": best, "compiled": str(compiled),
-                                   "commit": _commit(),
+                                   "commit": common.commit(),
                                    "workload_tokens": WORKLOADS[args.workload]}  # fmt: skip
     common.save(name, {"settings": settings, "wall_s": time.time() - t0,
                        "slo": {"ttft_s": args.ttft_slo_s, "tpot_ms": args.tpot_slo_ms},

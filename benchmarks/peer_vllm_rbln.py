@@ -43,7 +43,6 @@ import argparse
 import os
 import random
 import statistics
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
@@ -111,15 +110,6 @@ def run_plugin(plugin: str, spec: dict, mode: str, threads: int, shape: str) -> 
     else:
         env, python = peer_env(**extra), str(peer_python())
     return common.run_json("peer_engine_run.py", spec, env, timeout=3600, python=python)
-
-
-def commit() -> str:
-    def git(*a: str) -> str:
-        return subprocess.run(
-            ["git", *a], cwd=common.ROOT, capture_output=True, text=True
-        ).stdout.strip()
-
-    return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain") else "")
 
 
 def summarise(runs: dict[str, dict[str, list[dict]]]) -> dict[str, Any]:
@@ -262,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         **{k: v for k, v in vars(args).items() if k != "model"},
         "model": str(hf_dir),
         "compiled": str(compiled),
-        "commit": commit(),
+        "commit": common.commit(),
     }
     # the default modes and batch keep their file; others get their own beside it
     stem = "peer_vllm_rbln"

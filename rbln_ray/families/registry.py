@@ -1004,12 +1004,14 @@ UNSUPPORTED: dict[str, str] = {
     # vision-language
     "Qwen3_5MoeForConditionalGeneration": "optimum-rbln 0.12 has no RBLNQwen3_5Moe class",
     "Qwen3_5MoeForCausalLM": "optimum-rbln 0.12 has no RBLNQwen3_5Moe class",
-    "Gemma4ForConditionalGeneration": "transformers 5.15.1's Gemma4Processor cannot be imported "
-    "without torchvision (processing_gemma4 imports image_processing_gemma4, which imports "
-    "torchvision.transforms.v2), nor can vLLM 0.30's gemma4_mm; optimum-rbln's Gemma4 prefill "
-    "pads the KV cache around image runs (image_prefill graphs, padded_cache_lengths), which "
-    "rbln-ray's scheduler and runner do not model; and its decode after an image prompt is "
-    "not token-exact on the emulator (verified with a tiny model)",
+    "Gemma4ForConditionalGeneration": "not built yet. optimum-rbln 0.12 prefills a Gemma 4 "
+    "image prompt unlike transformers 5.15.1: its image_prefill graphs attend "
+    "bidirectionally within an image on every layer, where transformers keeps the full "
+    "layers causal (and the sliding ones too unless use_bidirectional_attention='vision'), "
+    "and it takes the per-layer inputs at image positions from the image token, where "
+    "transformers takes the pad token; so rbln-ray would need its own prefill inputs, and its "
+    "own front end (vLLM 0.30's gemma4_mm imports transformers' Gemma4Processor, which "
+    "imports torchvision)",
     "T5EncoderModel": "vLLM 0.30 has no T5 model (no front end, and no plain vLLM-CPU "
     "reference to verify against); optimum-rbln 0.12's RBLNT5EncoderModel compiles it",
 }

@@ -75,6 +75,38 @@ def test_the_readme_catalogue_is_the_registry() -> None:
     )
 
 
+def test_each_refusal_reason_holds_for_the_pinned_packages() -> None:
+    """What each refusal in the registry rests on, as facts of the installed transformers,
+    optimum-rbln and vLLM (a new refusal needs its facts here)."""
+    import importlib
+    from importlib.metadata import files
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from vllm import ModelRegistry
+
+    models = ("optimum", "rbln", "transformers", "models")
+    optimum = {p.parts[4] for p in files("optimum-rbln") if p.parts[:4] == models}
+    assert set(UNSUPPORTED) == {
+        "ExaoneForCausalLM",
+        "MidmLMHeadModel",
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3_5MoeForCausalLM",
+        "Gemma4ForConditionalGeneration",
+        "T5EncoderModel",
+    }
+    # optimum-rbln compiles EXAONE 3.x and Mi:dm, but transformers has no code to build them
+    assert {"exaone", "midm"} <= optimum
+    assert not {"exaone", "midm"} & set(CONFIG_MAPPING_NAMES)
+    # transformers has Qwen3.5 MoE, optimum-rbln has no class for it
+    assert "qwen3_5_moe" in CONFIG_MAPPING_NAMES and "qwen3_5_moe" not in optimum
+    # optimum-rbln compiles T5's encoder; vLLM has no model to serve it with
+    assert "t5" in optimum and "T5EncoderModel" not in ModelRegistry.get_supported_archs()
+    # Gemma 4 with images: transformers' processor (which vLLM's gemma4_mm imports) needs
+    # torchvision, which this project cannot install beside torch (its registry reason)
+    with pytest.raises(ModuleNotFoundError, match="torchvision"):
+        importlib.import_module("transformers.models.gemma4.processing_gemma4")
+
+
 def test_every_verified_claim_is_a_test_case() -> None:
     """Each 'verified by' names a parametrized case that exists (and so runs in make test)."""
     from tests.vllm_plugin import test_llm_greedy, test_zoo_greedy
