@@ -9,9 +9,12 @@ requests at once, so every micro-batch stays full while requests wait.
 Goal: throughput(S) >= 0.9 x S x throughput(1) for S = 2 and 4.
 
 Every engine runs in a fresh process (:mod:`benchmarks.engine_run`, ``executor: ray``) on
-the same tiny 32-layer Llama, compiled once per S (cached).
+the same tiny 32-layer Llama, compiled once per S (cached). ``--layers`` builds it with fewer
+layers (shorter device steps, so the host's share of each step grows); ``--name`` names the
+results file.
 
     python -m benchmarks.pipeline [--quick]
+    python -m benchmarks.pipeline --stages 1,2 --layers 16 --output-len 48 --name pipeline_l16
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from benchmarks import common
 GOAL = 0.9
 
 
-def compiled(stages: int, batch: int, max_seq_len: int, root: Path) -> Path:
-    """The tiny 32-layer Llama as one optimum artifact (S = 1) or S pipeline stages."""
+def compiled(stages: int, batch: int, max_seq_len: int, root: Path, layers: int = 32) -> Path:
+    """The tiny ``layers``-layer Llama as one optimum artifact (S = 1) or S pipeline stages."""
     import os
 
     os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
@@ -37,13 +40,13 @@ def compiled(stages: int, batch: int, max_seq_len: int, root: Path) -> Path:
 
     # 32 layers and an LM head worth ~2.4 layers, as Llama-3-8B's (the default --shape): the
     # stages' layer split, made from this model, is then the one a Llama-3-8B would get.
-    hf = build_tiny_model(family="llama", num_layers=32, intermediate_size=448)
+    hf = build_tiny_model(family="llama", num_layers=layers, intermediate_size=448)
     settings = {"batch_size": batch, "max_seq_len": max_seq_len, "decoder_batch_sizes": (batch,)}
     if stages == 1:
         return resolve_compiled_dir(hf, CompileSettings(**settings))
     from rbln_ray.compile import compile_pipeline
 
-    out = root / f"tiny-llama-32l-b{batch}-s{stages}"
+    out = root / f"tiny-llama-{layers}l-b{batch}-s{stages}"
     if not is_compiled_dir(out):
         compile_pipeline(hf, out, stages, CompileSettings(**settings))
     return out
@@ -58,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--waves", type=int, default=4, help="requests = waves x S x batch")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--layers", type=int, default=32, help="decoder layers of the tiny Llama")
+    p.add_argument("--name", default="pipeline", help="results file name")
     args = p.parse_args(argv)
     if args.quick:
         args.waves, args.output_len = 1, 16
@@ -67,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     stage_counts = [int(s) for s in args.stages.split(",")]
     results: dict[int, dict] = {}
     for stages in tqdm(stage_counts, desc="pipeline runs"):
-        model = compiled(stages, args.batch, 512, root)
+        model = compiled(stages, args.batch, 512, root, args.layers)
         spec = {
             "backend": "rbln",
             "executor": "ray",
@@ -99,10 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{'-' if ratio is None else f'{ratio:.2f}'}, "
             f"stage busy {', '.join(f'{b:.2f}' for b in busy)}"
         )
-    common.save(
-        "pipeline", {"args": vars(args), "results": results, "summary": summary}, args.quick
-    )
-    plot(summary, common.plot_path("pipeline", args.quick))
+    common.save(args.name, {"args": vars(args), "results": results, "summary": summary}, args.quick)
+    plot(summary, common.plot_path(args.name, args.quick))
     return 0
 
 
