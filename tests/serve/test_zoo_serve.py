@@ -408,3 +408,47 @@ def test_bad_uploads_get_openai_style_4xx_and_the_app_keeps_serving(zoo_app, wav
         model="whisper", file=("a.wav", wav_files["tone-3s"].read_bytes()), language="en"
     )
     assert ok.text
+
+
+def test_a_replica_whose_engine_process_dies_is_replaced(zoo_app: RunningApp) -> None:
+    """In process the worker is the engine process: killed (by the pid its replica reports),
+    the replica goes down with its dead engine, Serve starts a new one on the freed device,
+    and the model answers as before; meanwhile a request gets its answer or a clean 5xx.
+    Last in the module: it restarts a replica."""
+    import os
+    import signal
+    import time
+
+    import openai
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    from rbln_ray.models import build_tiny_model
+    from rbln_ray.serve import APP_NAME
+    from rbln_ray.serve.naming import server_deployment_name
+
+    handle = serve.get_deployment_handle(server_deployment_name("gemma2"), APP_NAME)
+    before = handle.engine_stats.remote().result()
+    [worker] = before["workers"]
+    os.kill(worker["pid"], signal.SIGKILL)
+
+    hf_dir = build_tiny_model(family="gemma2")
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    ids = tok(PROMPTS[2])["input_ids"]
+    expected = tok.decode(hf_greedy(hf_dir, [ids], 8)[0]).rstrip("\ufffd")
+    api = openai.OpenAI(base_url=f"{zoo_app.url}/v1", api_key="unused", max_retries=0)
+    deadline = time.monotonic() + 600  # a replica start on a loaded 2-core machine
+    while True:
+        try:
+            out = api.completions.create(
+                model="gemma2", prompt=PROMPTS[2], max_tokens=8, temperature=0, timeout=300
+            )
+            break
+        except openai.APIStatusError as err:  # while no replica serves: a clean 5xx
+            assert err.status_code >= 500 and "error" in err.response.json(), err
+        assert time.monotonic() < deadline, "the model never served again"
+        time.sleep(1)  # between attempts of a bounded poll, not as synchronisation
+    assert out.choices[0].text == expected
+    after = handle.engine_stats.remote().result()
+    assert after["pid"] != before["pid"], "the replica was not replaced"
+    assert after["workers"][0]["pid"] != worker["pid"]
