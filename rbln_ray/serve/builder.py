@@ -143,13 +143,12 @@ def server_bundles(cfg: ModelDeploymentConfig) -> list[dict[str, float]]:
     return [{"CPU": 1}] + [{"RBLN": devices, "CPU": 1} for _ in range(workers)]
 
 
-def server_actor_options(cfg: ModelDeploymentConfig) -> dict[str, Any]:
-    """The replica actor's resources: none of its own (its bundle holds its CPU), or its
-    devices when it drives them itself, so that Ray sets ``RBLN_DEVICES`` for it (and the
-    engine process it starts)."""
-    if not cfg.in_process_worker:
-        return {"num_cpus": 0}
-    return {"num_cpus": 0, "resources": {"RBLN": server_bundles(cfg)[0]["RBLN"]}}
+def replica_actor_options(bundles: list[dict[str, float]]) -> dict[str, Any]:
+    """The replica actor takes the devices of its own bundle (the first), if it has any, so
+    that Ray sets ``RBLN_DEVICES`` for it and the engine process it starts; its CPU is the
+    bundle's reservation, not a claim of the actor's."""
+    devices = {name: n for name, n in bundles[0].items() if name != "CPU"}
+    return {"num_cpus": 0, **({"resources": devices} if devices else {})}
 
 
 def build_server(
@@ -159,16 +158,17 @@ def build_server(
     name: str | None = None,
 ) -> Application:
     """The ``LLMServer`` deployment of ``cfg`` (named ``name``, default the model's)."""
+    bundles = server_bundles(cfg)
     options: dict[str, Any] = {
         "name": name or server_deployment_name(cfg.name),
-        "placement_group_bundles": server_bundles(cfg),
+        "placement_group_bundles": bundles,
         "placement_group_strategy": cfg.placement_strategy,
         "max_ongoing_requests": replica_max_ongoing(cfg),
         "max_queued_requests": cfg.max_queued_requests,
         "health_check_period_s": cfg.health_check_period_s,
         "health_check_timeout_s": cfg.health_check_timeout_s,
         "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
-        "ray_actor_options": server_actor_options(cfg),
+        "ray_actor_options": replica_actor_options(bundles),
     }
     if routing == "prefix_affinity":  # it also pins calls about stored responses
         options["request_router_config"] = RequestRouterConfig(
