@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import os
 import re
-import sys
 import time
 from typing import Any
 
@@ -36,15 +35,6 @@ from benchmarks import common
 from benchmarks.loadgen import run_load, wait_ready
 
 GOAL = 0.98
-# Ray Serve's documented high-throughput mode (Ray >= 2.55): HAProxy in front of the ingress
-# replicas, which serve HTTP themselves (direct ingress), and gRPC between deployments. Read
-# by every Serve process at import, so set before Ray starts. Replies between deployments
-# then travel over gRPC, whose default cap (4 MiB) the replica's engine stats exceed.
-THROUGHPUT_OPTIMIZED_ENV = {
-    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-    "RAY_SERVE_ENABLE_HA_PROXY": "1",
-    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(256 * 1024 * 1024),
-}
 ROLES = (  # process -> role, first match wins (Ray sets process titles)
     ("proxy", r"ProxyActor"),
     ("haproxy", r"haproxy"),
@@ -171,13 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         "--throughput-optimized",
         action="store_true",
         help="run the Serve app in Ray Serve's high-throughput mode: "
-        + ", ".join(f"{k}={v}" for k, v in THROUGHPUT_OPTIMIZED_ENV.items()),
+        + ", ".join(f"{k}={v}" for k, v in common.THROUGHPUT_OPTIMIZED_ENV.items()),
     )
     args = p.parse_args(argv)
     if args.throughput_optimized:
-        if "ray.serve" in sys.modules:
-            raise RuntimeError("--throughput-optimized must be set before Ray Serve is imported")
-        os.environ.update(THROUGHPUT_OPTIMIZED_ENV)
+        common.use_throughput_optimized_serve()
     stem = "ingress_streams" + ("_throughput_optimized" if args.throughput_optimized else "")
     if args.quick:
         args.concurrency, args.batch, args.num_prompts, args.output_len = 32, 32, 64, 32

@@ -20,6 +20,7 @@ and the rbln-ray ingress answering ``/version`` itself. The goal (issue 49): Ser
 most 5 ms of TTFT p50 at concurrency 1.
 
     python -m benchmarks.serve_overhead [--quick] [--concurrency 1,4,8] [--shape llama-3-8b]
+        [--throughput-optimized]
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ async def get_latency(url: str, requests: int = 200, warmup: int = 20) -> dict[s
     return summary(took, 1e3)
 
 
-def controls(port: int) -> dict[str, dict]:
+def controls(port: int, loop: asyncio.AbstractEventLoop) -> dict[str, dict]:
     """Requests that never reach a model: Serve's proxy alone (``/-/healthz``), a bare
     FastAPI ingress behind it, and the rbln-ray ingress answering ``/version`` itself."""
     from ray import serve
@@ -124,9 +125,9 @@ def controls(port: int) -> dict[str, dict]:
     serve.run(bare_ingress(), name="bare", route_prefix="/bare")
     base = f"http://127.0.0.1:{port}"
     out = {
-        "proxy_healthz": asyncio.run(get_latency(f"{base}/-/healthz")),
-        "bare_ingress_route": asyncio.run(get_latency(f"{base}/bare/version")),
-        "rbln_ingress_version": asyncio.run(get_latency(f"{base}/version")),
+        "proxy_healthz": loop.run_until_complete(get_latency(f"{base}/-/healthz")),
+        "bare_ingress_route": loop.run_until_complete(get_latency(f"{base}/bare/version")),
+        "rbln_ingress_version": loop.run_until_complete(get_latency(f"{base}/version")),
     }
     serve.delete("bare")
     for name, latency in out.items():
@@ -143,22 +144,26 @@ def serve_paths(compiled, prompts, concurrencies, args) -> dict[str, dict]:
     common.emulator_env("timing", args.shape)
     common.start_local_ray(num_cpus=8, rbln_devices=2)
     out: dict[str, dict] = {"serve_handle": {}, "serve": {}}
+    # One event loop for the whole run: in Serve's high-throughput mode a handle's router
+    # runs on the caller's loop, so the loop must outlive each call.
+    loop = asyncio.new_event_loop()
     try:
         port = common.free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = common.deploy_serve_app(compiled, 1, port)
-        asyncio.run(wait_ready(url, 600))
-        out["controls"] = controls(port)
+        loop.run_until_complete(wait_ready(url, 600))
+        out["controls"] = controls(port, loop)
         for c in concurrencies:
-            handle = asyncio.run(handle_load(prompts, args.output_len, c))
+            handle = loop.run_until_complete(handle_load(prompts, args.output_len, c))
             out["serve_handle"][str(c)] = handle
             _print("serve_handle", c, handle)
-            http = asyncio.run(run_load(url, "demo", prompts, args.output_len, c))
+            http = loop.run_until_complete(run_load(url, "demo", prompts, args.output_len, c))
             out["serve"][str(c)] = http
             _print("serve", c, http)
     finally:
         serve.shutdown()
         ray.shutdown()
+        loop.close()
     return out
 
 
@@ -187,7 +192,7 @@ def _print(name: str, c: int, r: dict) -> None:
     )
 
 
-def plot(results: dict[str, dict], split: dict[str, dict], quick: bool) -> None:
+def plot(results: dict[str, dict], split: dict[str, dict], stem: str, quick: bool) -> None:
     plt = common.pyplot()
     concurrencies = list(results["serve"])
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -210,7 +215,7 @@ def plot(results: dict[str, dict], split: dict[str, dict], quick: bool) -> None:
     right.set_ylabel("TTFT p50 Serve adds (ms)")
     right.legend()
     fig.tight_layout()
-    fig.savefig(common.plot_path("serve_overhead", quick))
+    fig.savefig(common.plot_path(stem, quick))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,7 +228,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--shape", default="llama-3-8b", help="device time of this model on ATOM")
+    p.add_argument(
+        "--throughput-optimized",
+        action="store_true",
+        help="run the Serve app in Ray Serve's high-throughput mode (direct ingress behind "
+        "HAProxy, gRPC between deployments): results go to serve_overhead_throughput_optimized",
+    )
     args = p.parse_args(argv)
+    if args.throughput_optimized:
+        common.use_throughput_optimized_serve()
+    stem = "serve_overhead" + ("_throughput_optimized" if args.throughput_optimized else "")
     if args.quick:
         args.concurrency, args.num_prompts, args.output_len = "1,4", 8, 8
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -244,11 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"Serve adds {added:.1f} ms TTFT p50 at c={concurrencies[0]}: {goal}", flush=True)
     common.save(
-        "serve_overhead",
+        stem,
         {"args": vars(args), "results": results, "breakdown_ms": split, "goal": goal},
         args.quick,
     )
-    plot(results, split, args.quick)
+    plot(results, split, stem, args.quick)
     return 0
 
 
