@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=1,
                    help="rbln_decode_steps_between_chunks (the engine's default: 1)")  # fmt: skip
     p.add_argument("--ttft-slo-s", type=float, default=3.0)
+    p.add_argument("--name", default="", help="result file stem (default: pd_disagg[-workload])")
     p.add_argument("--tpot-slo-ms", type=float, default=100.0)
     if "--quick" in (argv if argv is not None else sys.argv[1:]):
         p.set_defaults(rates_co="0.2", rates_pd="0.2", duration=60, warmup=5, splits="2:2")
@@ -182,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     best = max(splits_out, key=lambda k: capacity(splits_out[k]) or 0.0)
     results = {"co": co, "pd": splits_out[best], "pd_splits": splits_out}
     g = goals(co, splits_out[best])
-    name = f"pd_disagg-{args.workload}" if args.workload != "prefill" else "pd_disagg"
+    default_name = "pd_disagg" + (f"-{args.workload}" if args.workload != "prefill" else "")
+    name = args.name or default_name
     settings = dict(vars(args)) | {"pd_split": best, "compiled": str(compiled),
                                    "commit": common.commit(),
                                    "workload_tokens": WORKLOADS[args.workload]}  # fmt: skip
