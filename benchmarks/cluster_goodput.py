@@ -206,6 +206,7 @@ def rbln_ray_cluster(args: argparse.Namespace) -> Iterator[int]:
 
     common.emulator_env("timing", args.shape)
     per_node = -(-args.replicas // args.nodes)
+    os.environ["RBLN_RAY_EMULATED_DEVICES"] = str(per_node)  # as many as Ray's RBLN resource
     cluster = Cluster(
         initialize_head=True,
         head_node_args={

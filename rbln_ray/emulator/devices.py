@@ -101,7 +101,8 @@ def to_physical(logical: int) -> int:
     if 0 <= logical < len(visible):
         return visible[logical]
     spec = _visible_spec()
-    why = f"{spec[0]}={spec[1]!r}" if spec else f"{physical_count()} emulated devices"
+    emulated = f"{physical_count()} emulated devices (RBLN_RAY_EMULATED_DEVICES)"
+    why = f"{spec[0]}={spec[1]!r} of {emulated}" if spec else emulated
     raise DeviceError(
         f"RBLN device {logical} is not visible to process {os.getpid()} on node {node_id()!r}: "
         f"{why} -> visible physical devices {visible}"
