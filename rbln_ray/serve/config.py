@@ -256,8 +256,8 @@ class ModelDeploymentConfig(PlacementSettings):
     def in_process_worker(self) -> bool:
         """Whether the replica drives its devices itself (``distributed_executor_backend``
         ``uni``): it holds the ``RBLN`` devices, and its engine process runs the worker, so a
-        replica is two processes instead of three. Its worker is no Ray actor, so the RBLN
-        device counters (``ray_rbln_*``) are not exported for it."""
+        replica is two processes instead of three. Its worker is no Ray actor: the replica
+        relays its RBLN device counters (``ray_rbln_*``)."""
         return self.engine_kwargs.get("distributed_executor_backend") in IN_PROCESS_BACKENDS
 
     def _check_disaggregation(self) -> None:

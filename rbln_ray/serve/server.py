@@ -151,6 +151,7 @@ class LLMServer:
         from rbln_ray.serve.audio import replica_env
         from rbln_ray.serve.replica_bind import bind_replica_grpc_to_loopback
         from rbln_ray.serve.warmup import warm_up
+        from rbln_ray.vllm_plugin.device_metrics import relay_engine_metrics
         from rbln_ray.vllm_plugin.host_kv_connector import on_node, tier_for
         from rbln_ray.vllm_plugin.platform import compiled_artifact
 
@@ -227,6 +228,11 @@ class LLMServer:
         if self._service_times is not None:
             self._service_times.reset()  # warm-up requests are not the traffic it reports
         await self._warm_app()
+        self._metrics_relay: asyncio.Task | None = None
+        if self.cfg.in_process_worker:  # its worker is no Ray actor: this replica exports
+            self._metrics_relay = asyncio.create_task(
+                relay_engine_metrics(self.engine, self.cfg.name)
+            )
         logger.info("model %s ready in replica pid %d", self.cfg.name, os.getpid())
 
     async def _warm_app(self) -> None:
@@ -376,6 +382,9 @@ class LLMServer:
         return {"pid": os.getpid(), "actor_name": actor, "workers": infos, "steps": stats}
 
     def __del__(self) -> None:
+        relay = getattr(self, "_metrics_relay", None)
+        if relay is not None:
+            relay.cancel()
         listener = getattr(self, "_kv_events", None)
         if listener is not None:
             listener.close()

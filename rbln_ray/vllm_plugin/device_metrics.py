@@ -4,8 +4,11 @@ Why here, in the worker: the worker is the process that drives its devices and c
 ran (:class:`~rbln_ray.vllm_plugin.model_runner.StepStats`). Inside a Ray actor (the Ray
 executor's workers, hence every Serve replica's), ``ray.util.metrics`` hands each value to
 the actor's core worker, which Ray's metrics agent on that node exports for Prometheus as
-``ray_<name>``: nothing of rbln-ray's own moves metrics between processes. Outside Ray (vLLM's
-in-process or multiprocessing executors) there is no exporter, and nothing is recorded.
+``ray_<name>``. Outside Ray (vLLM's in-process or multiprocessing executors) there is no
+exporter, and the worker records nothing. A Serve replica that drives its devices itself
+(``distributed_executor_backend: uni``) runs its worker in vLLM's engine process, which is no
+Ray worker, while the replica is: the replica relays that worker's counters
+(:func:`relay_engine_metrics`).
 
 The worker calls :meth:`DeviceMetrics.observe` after each step: counters advance by what the
 step added, gauges take their current value. Ray 2.60 drops a gauge series that is not set
@@ -17,13 +20,22 @@ by the replica and forwarded to its workers), the node and the devices (``RBLN_D
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 from rbln_ray.common import envs
 
+logger = logging.getLogger(__name__)
+
 TAG_KEYS = ("model", "replica", "node", "devices")
+# How often a replica asks its in-process worker for its counters: within one export interval
+# of Ray's metrics agent in the suite (1 s), a tenth of Ray's default (10 s), so a stepping
+# engine's gauges never age out.
+RELAY_PERIOD_S = 1.0
 
 # Exported name (``ray_`` + name + ``_total`` for counters) -> (StepStats field, help).
 COUNTERS = {
@@ -99,3 +111,29 @@ class DeviceMetrics:
                 self._last[field] = value
         self._gauges["rbln_slots_in_use"].set(slots_in_use, tags=self.tags)
         self._gauges["rbln_batch_size"].set(self.batch_size, tags=self.tags)
+
+
+async def relay_engine_metrics(engine: Any, model: str, period_s: float = RELAY_PERIOD_S) -> None:
+    """Record the device metrics of ``engine``'s in-process worker from this Ray actor (the
+    Serve replica that started the engine), until the engine ends.
+
+    Every ``period_s`` it asks the worker for its counters (``step_stats``, one utility call
+    between steps) and records them as the worker would after a step. A poll that finds no new
+    step records nothing, so an idle engine's gauges age out as a worker actor's do.
+    """
+    metrics: DeviceMetrics | None = None
+    last: dict[str, Any] | None = None
+    while True:
+        try:
+            (stats,) = await engine.collective_rpc("step_stats")
+        except Exception as exc:  # noqa: BLE001 - a dead engine ends the relay, not the replica
+            logger.debug("device metrics relay of %s ends: %s", model, exc)
+            return
+        if stats != last:
+            if metrics is None:
+                metrics = DeviceMetrics.for_this_worker(model, stats["batch_size"])
+                if metrics is None:
+                    return
+            metrics.observe(SimpleNamespace(**stats), stats["slots_in_use"])
+            last = stats
+        await asyncio.sleep(period_s)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -131,6 +132,36 @@ def test_each_replica_drives_its_own_device_in_process(zoo_app: RunningApp) -> N
         assert psutil.Process(worker["pid"]).ppid() == stats["pid"], name
         devices[name] = worker["rbln_devices"]
     assert sorted(devices.values()) == sorted(str(d) for d in range(len(devices))), devices
+
+
+def test_in_process_replicas_export_their_device_counters(zoo_app: RunningApp) -> None:
+    """An in-process worker is no Ray actor: its replica relays the worker's device counters
+    to Ray's metrics export, tagged with the node and devices the worker reports, and the
+    exported count is the worker's own."""
+    from ray import serve
+
+    from rbln_ray.serve import APP_NAME
+    from rbln_ray.serve.naming import server_deployment_name
+    from tests.ray_metrics import samples
+
+    model = "mixtral"
+    body = {"model": model, "prompt": PROMPTS[2], "max_tokens": 16, "ignore_eos": True}
+    response = httpx.post(f"{zoo_app.url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    handle = serve.get_deployment_handle(server_deployment_name(model), APP_NAME)
+    stats = handle.engine_stats.remote().result()
+    [worker], [steps] = stats["workers"], stats["steps"]
+    assert steps["decode_steps"] >= 15, steps
+    deadline = time.monotonic() + 60
+    while True:
+        exported = [s for s in samples("ray_rbln_decode_steps_total") if s.labels["model"] == model]
+        if sum(s.value for s in exported) == steps["decode_steps"]:
+            break
+        assert time.monotonic() < deadline, (exported, steps)
+        time.sleep(0.5)  # polling Ray's export (every second in tests)
+    [sample] = exported
+    assert sample.labels["devices"] == worker["rbln_devices"]
+    assert sample.labels["node"] == worker["node"] and sample.labels["replica"]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES), ids=list(FAMILIES))

@@ -64,3 +64,51 @@ def test_counters_advance_by_each_steps_gain_and_gauges_take_the_value(monkeypat
     assert [v for kind, n, v, _ in Recorded.log if n == "rbln_batch_size"] == [4, 4, 4]
     assert all(t["model"] == "demo" and t["replica"] == "r1" for *_, t in Recorded.log)
     assert set(device_metrics.TAG_KEYS) == {"model", "replica", "node", "devices"}
+
+
+def test_a_replica_relays_its_in_process_workers_counters_until_the_engine_ends(monkeypatch):
+    """``distributed_executor_backend: uni``: the replica polls the worker's counters; a poll
+    without a new step records nothing (so idle gauges age out), a dead engine ends it."""
+    import asyncio
+    from dataclasses import asdict
+
+    import ray.util.metrics
+
+    from rbln_ray.vllm_plugin import device_metrics
+    from rbln_ray.vllm_plugin.model_runner import StepStats
+
+    monkeypatch.setattr(ray.util.metrics, "Counter", Recorded)
+    monkeypatch.setattr(ray.util.metrics, "Gauge", Recorded)
+    tags = {"replica": "r1", "node": "n1", "devices": "2"}
+    monkeypatch.setattr(
+        device_metrics.DeviceMetrics,
+        "for_this_worker",
+        classmethod(lambda cls, model, batch: cls(model, batch, tags)),
+    )
+    Recorded.log = []
+
+    def snapshot(**counts: float) -> dict:
+        return asdict(StepStats(**counts)) | {"slots_in_use": 1, "batch_size": 4}
+
+    first = snapshot(prefill_steps=1, device_seconds=0.5)
+    later = snapshot(prefill_steps=1, decode_steps=2, device_seconds=0.75)
+    polls = iter([[first], [first], [later]])
+
+    class Engine:
+        async def collective_rpc(self, method: str) -> list[dict]:
+            assert method == "step_stats"
+            try:
+                return next(polls)
+            except StopIteration:
+                raise RuntimeError("EngineDeadError") from None
+
+    asyncio.run(asyncio.wait_for(device_metrics.relay_engine_metrics(Engine(), "demo", 0), 5))
+    incs = [(n, v) for kind, n, v, _ in Recorded.log if kind == "inc"]
+    assert incs == [
+        ("rbln_prefill_steps", 1),
+        ("rbln_device_seconds", 0.5),
+        ("rbln_decode_steps", 2),
+        ("rbln_device_seconds", 0.25),
+    ]
+    assert [v for _, n, v, _ in Recorded.log if n == "rbln_batch_size"] == [4, 4]
+    assert all(t == {"model": "demo", **tags} for *_, t in Recorded.log)
