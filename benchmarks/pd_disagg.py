@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=1,
                    help="rbln_decode_steps_between_chunks (the engine's default: 1)")  # fmt: skip
     p.add_argument("--ttft-slo-s", type=float, default=3.0)
-    p.add_argument("--name", default="", help="result file stem (default: pd_disagg[-workload])")
     p.add_argument("--tpot-slo-ms", type=float, default=100.0)
+    p.add_argument("--name", default="", help="result file stem (default: pd_disagg[-workload])")
     if "--quick" in (argv if argv is not None else sys.argv[1:]):
         p.set_defaults(rates_co="0.2", rates_pd="0.2", duration=60, warmup=5, splits="2:2")
     args = p.parse_args(argv)

@@ -114,20 +114,27 @@ def zoo_app() -> Iterator[RunningApp]:
         stop_app()
 
 
-def test_each_replica_drives_its_own_device_in_process(zoo_app: RunningApp) -> None:
-    """``distributed_executor_backend: uni``: each replica's one worker runs in the engine
-    process the replica started (no Ray actor), on the device Ray gave the replica; no two
-    replicas share one."""
-    import psutil
+def engine_stats(model: str) -> dict:
+    """Where ``model``'s replica and its worker run, and the worker's step counters
+    (``LLMServer.engine_stats``)."""
     from ray import serve
 
     from rbln_ray.serve import APP_NAME
     from rbln_ray.serve.naming import server_deployment_name
 
+    handle = serve.get_deployment_handle(server_deployment_name(model), APP_NAME)
+    return handle.engine_stats.remote().result()
+
+
+def test_each_replica_drives_its_own_device_in_process(zoo_app: RunningApp) -> None:
+    """``distributed_executor_backend: uni``: each replica's one worker runs in the engine
+    process the replica started (no Ray actor), on the device Ray gave the replica; no two
+    replicas share one."""
+    import psutil
+
     devices = {}
     for name in [*FAMILIES, "whisper", "qwen3-asr", *POOLING]:
-        handle = serve.get_deployment_handle(server_deployment_name(name), APP_NAME)
-        stats = handle.engine_stats.remote().result()
+        stats = engine_stats(name)
         [worker] = stats["workers"]
         assert psutil.Process(worker["pid"]).ppid() == stats["pid"], name
         devices[name] = worker["rbln_devices"]
@@ -138,18 +145,13 @@ def test_in_process_replicas_export_their_device_counters(zoo_app: RunningApp) -
     """An in-process worker is no Ray actor: its replica relays the worker's device counters
     to Ray's metrics export, tagged with the node and devices the worker reports, and the
     exported count is the worker's own."""
-    from ray import serve
-
-    from rbln_ray.serve import APP_NAME
-    from rbln_ray.serve.naming import server_deployment_name
     from tests.ray_metrics import samples
 
     model = "mixtral"
     body = {"model": model, "prompt": PROMPTS[2], "max_tokens": 16, "ignore_eos": True}
     response = httpx.post(f"{zoo_app.url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
-    handle = serve.get_deployment_handle(server_deployment_name(model), APP_NAME)
-    stats = handle.engine_stats.remote().result()
+    stats = engine_stats(model)
     [worker], [steps] = stats["workers"], stats["steps"]
     assert steps["decode_steps"] >= 15, steps
     deadline = time.monotonic() + 60
@@ -448,18 +450,13 @@ def test_a_replica_whose_engine_process_dies_is_replaced(zoo_app: RunningApp) ->
     Last in the module: it restarts a replica."""
     import os
     import signal
-    import time
 
     import openai
-    from ray import serve
     from transformers import AutoTokenizer
 
     from rbln_ray.models import build_tiny_model
-    from rbln_ray.serve import APP_NAME
-    from rbln_ray.serve.naming import server_deployment_name
 
-    handle = serve.get_deployment_handle(server_deployment_name("gemma2"), APP_NAME)
-    before = handle.engine_stats.remote().result()
+    before = engine_stats("gemma2")
     [worker] = before["workers"]
     os.kill(worker["pid"], signal.SIGKILL)
 
@@ -480,6 +477,6 @@ def test_a_replica_whose_engine_process_dies_is_replaced(zoo_app: RunningApp) ->
         assert time.monotonic() < deadline, "the model never served again"
         time.sleep(1)  # between attempts of a bounded poll, not as synchronisation
     assert out.choices[0].text == expected
-    after = handle.engine_stats.remote().result()
+    after = engine_stats("gemma2")
     assert after["pid"] != before["pid"], "the replica was not replaced"
     assert after["workers"][0]["pid"] != worker["pid"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 # rbln_ray.vllm_plugin is imported inside the tests: importing vLLM at collection, before the
 # session's environment is set, would fix vLLM's platform for the whole process.
 
@@ -23,22 +25,28 @@ class Recorded:
         Recorded.log.append(("set", self.name, value, tags))
 
 
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> type[Recorded]:
+    """Ray's Counter and Gauge replaced by :class:`Recorded`, its log emptied."""
+    import ray.util.metrics
+
+    monkeypatch.setattr(ray.util.metrics, "Counter", Recorded)
+    monkeypatch.setattr(ray.util.metrics, "Gauge", Recorded)
+    Recorded.log = []
+    return Recorded
+
+
 def test_outside_a_ray_worker_nothing_is_recorded():
     from rbln_ray.vllm_plugin.device_metrics import DeviceMetrics
 
     assert DeviceMetrics.for_this_worker("m", 4) is None
 
 
-def test_counters_advance_by_each_steps_gain_and_gauges_take_the_value(monkeypatch):
-    import ray.util.metrics
-
+def test_counters_advance_by_each_steps_gain_and_gauges_take_the_value(recorded):
     from rbln_ray.vllm_plugin import device_metrics
     from rbln_ray.vllm_plugin.device_metrics import DeviceMetrics
     from rbln_ray.vllm_plugin.model_runner import StepStats
 
-    monkeypatch.setattr(ray.util.metrics, "Counter", Recorded)
-    monkeypatch.setattr(ray.util.metrics, "Gauge", Recorded)
-    Recorded.log = []
     tags = {"replica": "r1", "node": "n1", "devices": "0"}
     metrics = DeviceMetrics("demo", 4, tags)
     assert Recorded.log == []
@@ -66,26 +74,23 @@ def test_counters_advance_by_each_steps_gain_and_gauges_take_the_value(monkeypat
     assert set(device_metrics.TAG_KEYS) == {"model", "replica", "node", "devices"}
 
 
-def test_a_replica_relays_its_in_process_workers_counters_until_the_engine_ends(monkeypatch):
+def test_a_replica_relays_its_in_process_workers_counters_until_the_engine_ends(
+    monkeypatch, recorded
+):
     """``distributed_executor_backend: uni``: the replica polls the worker's counters; a poll
     without a new step records nothing (so idle gauges age out), a dead engine ends it."""
     import asyncio
     from dataclasses import asdict
 
-    import ray.util.metrics
-
     from rbln_ray.vllm_plugin import device_metrics
     from rbln_ray.vllm_plugin.model_runner import StepStats
 
-    monkeypatch.setattr(ray.util.metrics, "Counter", Recorded)
-    monkeypatch.setattr(ray.util.metrics, "Gauge", Recorded)
     tags = {"replica": "r1", "node": "n1", "devices": "2"}
     monkeypatch.setattr(
         device_metrics.DeviceMetrics,
         "for_this_worker",
         classmethod(lambda cls, model, batch: cls(model, batch, tags)),
     )
-    Recorded.log = []
 
     def snapshot(**counts: float) -> dict:
         return asdict(StepStats(**counts)) | {"slots_in_use": 1, "batch_size": 4}
