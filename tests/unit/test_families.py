@@ -91,7 +91,6 @@ def test_each_refusal_reason_holds_for_the_pinned_packages() -> None:
         "MidmLMHeadModel",
         "Qwen3_5MoeForConditionalGeneration",
         "Qwen3_5MoeForCausalLM",
-        "Gemma4ForConditionalGeneration",
         "T5EncoderModel",
     }
     # optimum-rbln compiles EXAONE 3.x and Mi:dm, but transformers has no code to build them
@@ -102,7 +101,7 @@ def test_each_refusal_reason_holds_for_the_pinned_packages() -> None:
     # optimum-rbln compiles T5's encoder; vLLM has no model to serve it with
     assert "t5" in optimum and "T5EncoderModel" not in ModelRegistry.get_supported_archs()
     # Gemma 4 with images: transformers' processor (which vLLM's gemma4_mm imports) needs
-    # torchvision, which this project cannot install beside torch (its registry reason)
+    # torchvision, which this project cannot install beside torch (why gemma4_vl has its own)
     with pytest.raises(ModuleNotFoundError, match="torchvision"):
         importlib.import_module("transformers.models.gemma4.processing_gemma4")
 
@@ -148,7 +147,7 @@ def test_get_rbln_model_info_and_lookup_errors(tmp_path: Path) -> None:
     [
         "Phi3ForCausalLM",
         "MidmLMHeadModel",
-        "Gemma4ForConditionalGeneration",
+        "T5EncoderModel",
         None,
     ],
 )
@@ -209,6 +208,36 @@ def test_gemma4_checkpoints_it_cannot_serve_are_refused_naming_why(
     assert cli_main(["compile", str(hf), str(out), "--max-seq-len", "512"]) == 2
     err = capsys.readouterr().err
     assert f"{key}=" in err and DECODERS["gemma4"].refused_config[key] in err, err
+    assert "Traceback" not in err and not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("use_bidirectional_attention", "vision"), ("use_bidirectional_attention", "all"),
+     ("num_kv_shared_layers", 2)],
+)
+def test_gemma4_with_images_it_cannot_serve_is_refused_naming_why(
+    key: str, value: object, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Gemma 4 with images and bidirectional attention (no graph optimum-rbln 0.12 compiles
+    attends as transformers does), or with the text family's refusals: refused with the
+    reason before anything is compiled."""
+    os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
+    from rbln_ray.families.gemma4_vl import BIDIRECTIONAL_REASON
+    from rbln_ray.models import build_tiny_vlm
+
+    hf = tmp_path / "hf"
+    shutil.copytree(build_tiny_vlm(family="gemma4_vl"), hf)
+    config = json.loads((hf / "config.json").read_text())
+    config["text_config"][key] = value
+    (hf / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    assert cli_main(["compile", str(hf), str(out), "--max-seq-len", "512"]) == 2
+    err = capsys.readouterr().err
+    why = BIDIRECTIONAL_REASON if key == "use_bidirectional_attention" else (
+        DECODERS["gemma4"].refused_config[key]
+    )
+    assert f"{key}={value!r}" in err and why in err, err
     assert "Traceback" not in err and not out.exists()
 
 

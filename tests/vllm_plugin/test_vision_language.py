@@ -271,6 +271,38 @@ def test_bidirectional_prefill_changes_the_output(family: str) -> None:
     assert want != causal
 
 
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f == "gemma4_vl"])
+def test_optimums_own_image_prefill_differs_from_transformers(family: str) -> None:
+    """Why rbln-ray prefills a Gemma 4 image prompt causally with its own per-layer inputs
+    (rbln_ray.families.gemma4_vl): optimum-rbln's own ``generate`` on the same compiled model
+    (its image_prefill graphs, bidirectional on every layer, and per-layer inputs from the
+    image token) gives other tokens than transformers, which the engine's match
+    (test_greedy_with_images_matches_transformers). And the engine start refuses a model
+    whose text config asks for bidirectional attention, which no compiled graph serves."""
+    from rbln_ray.compile.vision import load_hf_processor
+    from rbln_ray.emulator.switch import require_runtime
+    from rbln_ray.families.gemma4_vl import BIDIRECTIONAL_REASON, Embedder
+
+    require_runtime("load a compiled model")
+    import optimum.rbln
+
+    model = optimum.rbln.RBLNGemma4ForConditionalGeneration.from_pretrained(
+        str(compiled_vlm(family))
+    )
+    hf_dir = build_tiny_vlm(family=family)
+    prompt, specs, _ = REQUESTS[family][0]
+    images = [make_image(**s) for s in specs]
+    prompt_ids, want = hf_vlm_greedy(hf_dir, prompt, images, MAX_TOKENS)
+    inputs = load_hf_processor(hf_dir)(images=images, text=[prompt], return_tensors="pt")
+    assert inputs["input_ids"][0].tolist() == prompt_ids
+    out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    assert out[0, len(prompt_ids) :].tolist() != want
+    model.config.text_config.use_bidirectional_attention = "vision"
+    with pytest.raises(ValueError, match="use_bidirectional_attention='vision'") as refused:
+        Embedder(model)
+    assert BIDIRECTIONAL_REASON in str(refused.value)
+
+
 @pytest.mark.parametrize("family", [f for f in FAMILIES if "video" in VISION[f].inputs])
 def test_videos_change_the_output(family: str) -> None:
     """As for images: the reference is sensitive to the video's frames and to their order."""
