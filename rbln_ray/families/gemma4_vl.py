@@ -95,6 +95,17 @@ def refuse(where: str | Path, text_config: Mapping[str, Any]) -> None:
         raise ValueError(f"{where}: Gemma 4 with images: {'; '.join(found)}")
 
 
+def compiled_budgets(model_dir: str | Path) -> list[int]:
+    """The image budgets (``max_soft_tokens``) a model's vision tower takes: its compiled ones,
+    or (an HF directory, compiled on first use) what :meth:`Gemma4VL.vision_rbln_config`
+    compiles it for."""
+    compiled = Path(model_dir) / "rbln_config.json"
+    if compiled.is_file():
+        budgets = json.loads(compiled.read_text())["vision_tower"]["max_soft_tokens"]
+        return budgets if isinstance(budgets, list) else [budgets]
+    return [CODE.vision_rbln_config(model_dir)["vision_tower"]["max_soft_tokens"]]
+
+
 def soft_tokens(position_ids: torch.Tensor, pooling_kernel_size: int) -> int:
     """Soft tokens of one processed image (``image_position_ids`` ``[patches, 2]``, padding
     patches at ``-1``): its whole pooling windows, what the tower's pooler keeps."""
@@ -183,6 +194,19 @@ class Gemma4MultiModalProcessor(BaseMultiModalProcessor[Gemma4ProcessingInfo]):
     def _get_mm_fields_config(
         self, hf_inputs: BatchFeature, hf_processor_mm_kwargs: Mapping[str, object]
     ) -> Mapping[str, MultiModalFieldConfig]:
+        """Also refuses, before the engine sees it, an image processed for a budget the
+        compiled tower does not take (a request's ``max_soft_tokens``): optimum's tower runs
+        only the patch counts it was compiled for."""
+        pixels = hf_inputs.get("pixel_values")
+        if pixels is not None and len(pixels):
+            kernel = self.info.get_hf_processor().image_processor.pooling_kernel_size
+            budget = len(pixels[0]) // kernel**2
+            compiled = compiled_budgets(self.info.ctx.model_config.model)
+            if budget not in compiled:
+                raise ValueError(
+                    f"images processed for max_soft_tokens={budget}, but the compiled Gemma 4 "
+                    f"vision tower takes max_soft_tokens {compiled} only"
+                )
         return {
             "pixel_values": MultiModalFieldConfig.batched("image"),
             "image_position_ids": MultiModalFieldConfig.batched("image"),

@@ -213,8 +213,11 @@ def test_gemma4_checkpoints_it_cannot_serve_are_refused_naming_why(
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("use_bidirectional_attention", "vision"), ("use_bidirectional_attention", "all"),
-     ("num_kv_shared_layers", 2)],
+    [
+        ("use_bidirectional_attention", "vision"),
+        ("use_bidirectional_attention", "all"),
+        ("num_kv_shared_layers", 2),
+    ],
 )
 def test_gemma4_with_images_it_cannot_serve_is_refused_naming_why(
     key: str, value: object, tmp_path: Path, capsys: pytest.CaptureFixture
@@ -234,9 +237,11 @@ def test_gemma4_with_images_it_cannot_serve_is_refused_naming_why(
     out = tmp_path / "out"
     assert cli_main(["compile", str(hf), str(out), "--max-seq-len", "512"]) == 2
     err = capsys.readouterr().err
-    why = BIDIRECTIONAL_REASON if key == "use_bidirectional_attention" else (
-        DECODERS["gemma4"].refused_config[key]
-    )
+    reasons = {
+        **DECODERS["gemma4"].refused_config,
+        "use_bidirectional_attention": BIDIRECTIONAL_REASON,
+    }
+    why = reasons[key]
     assert f"{key}={value!r}" in err and why in err, err
     assert "Traceback" not in err and not out.exists()
 

@@ -152,6 +152,20 @@ def too_large_chat() -> dict:
     }
 
 
+# Gemma 4: an image budget (max_soft_tokens) the tiny model's tower was not compiled for
+OTHER_BUDGET = 140
+
+
+def refused_chat(family: str) -> dict | None:
+    """The chat each family's engine must refuse before running it, if any: an image past
+    the compiled tower (any-size families), an image budget it was not compiled for (Gemma 4)."""
+    if any_size(family):
+        return too_large_chat()
+    if family == "gemma4_vl":
+        return {**too_large_chat(), "mm_processor_kwargs": {"max_soft_tokens": OTHER_BUDGET}}
+    return None
+
+
 def engine_run(family: str, requests: list, **extra) -> dict:
     return {
         "model": str(compiled_vlm(family)),
@@ -183,7 +197,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
                     family,
                     REQUESTS[family],
                     chats=asked,
-                    **({"refused_chat": too_large_chat()} if any_size(family) else {}),
+                    **({"refused_chat": refused_chat(family)} if refused_chat(family) else {}),
                 ),
                 engine_run(family, CACHED[family], passes=2),
             )
@@ -246,6 +260,15 @@ def test_an_image_beyond_the_compiled_tower_is_refused_naming_both_sizes(
     tower = compiled["visual"]["max_seq_len"]
     tower = max(tower) if isinstance(tower, list) else tower
     assert f"{patches} patches" in message and f"{tower} patches" in message, message
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f == "gemma4_vl"])
+def test_an_image_budget_the_tower_was_not_compiled_for_is_refused(runs: dict, family: str) -> None:
+    """A chat asking Gemma 4's processor for another ``max_soft_tokens`` than the compiled
+    tower takes is refused naming both (optimum's tower runs only its compiled patch counts);
+    the engine then answers the chats of test_chat_with_a_data_url_image_equals_transformers."""
+    message = runs[family][0]["refused_chat"]
+    assert f"max_soft_tokens={OTHER_BUDGET}" in message and "[70]" in message, message
 
 
 @pytest.mark.parametrize("family", FAMILIES)
