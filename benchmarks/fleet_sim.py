@@ -36,7 +36,6 @@ import pickle
 import statistics
 import sys
 import time
-from array import array
 from typing import Any
 
 from benchmarks import common
@@ -55,6 +54,7 @@ from rbln_ray.planning.fleet import (
 from rbln_ray.planning.fleet.ingress import replicas_needed
 from rbln_ray.planning.fleet.metrics import percentile, stickiness
 from rbln_ray.serve.fleet_router import SimulatedRouter, block_keys
+from rbln_ray.serve.kv_events import STATS_BLOCKS, report_keys
 
 MEASURED = common.RESULTS / "cluster_goodput_issue35.json"  # BENCHMARKS 15's full run
 RATES = (1.0, 1.25, 1.375, 1.4375, 1.5)  # its rates, seeds 100 + their place
@@ -111,11 +111,11 @@ def simulate(
 
 
 def unpickle_ms(reports: list[dict[str, Any]]) -> dict[str, float]:
-    """CPU ms to unpickle one broadcast of these reports, as replicas send them (key lists)
-    and as compact int64 byte strings (``cache_routing.report_keys``)."""
-    compact = [{**r, "kv_blocks": array("q", r.get("kv_blocks") or ()).tobytes()} for r in reports]
+    """CPU ms to unpickle one broadcast of these reports, as replicas send them (keys as
+    int64 byte strings, ``kv_events.pack_keys``) and as they sent them before (key lists)."""
+    lists = [{**r, STATS_BLOCKS: sorted(report_keys(r.get(STATS_BLOCKS)))} for r in reports]
     out = {}
-    for name, payload in (("list", reports), ("bytes", compact)):
+    for name, payload in (("list", lists), ("bytes", reports)):
         blob = pickle.dumps(payload, protocol=5)
         times = []
         for _ in range(5):
@@ -292,8 +292,8 @@ def scale_row(
         "tpot_ms_p99": res["tpot_ms"]["p99"],
         "kv_index_bytes": res["router_state_bytes"]["kv_index"],
         "router_state_bytes": sum(res["router_state_bytes"].values()),
-        "ingress_replicas": res["ingress"]["default_list"],
-        "ingress_replicas_throughput_optimized": res["ingress"]["throughput_optimized_list"],
+        "ingress_replicas": res["ingress"]["default_bytes"],  # the format replicas send
+        "ingress_replicas_throughput_optimized": res["ingress"]["throughput_optimized_bytes"],
         "simulated_ingress_routers": res["router"]["routers"],
         "rate_req_per_s": GOAL_RATE * n / 4,
         "tenants": 8 * n,

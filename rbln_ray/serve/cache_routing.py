@@ -99,6 +99,7 @@ from rbln_ray.serve.kv_events import (
     STATS_BLOCKS,
     STATS_EVENTS,
     STATS_HOST_BLOCKS,
+    report_keys,
 )
 from rbln_ray.serve.kv_index import (
     HolderIndex,
@@ -428,16 +429,6 @@ class PromptTokenizer:
         except Exception as exc:  # noqa: BLE001 - route without tokens
             logger.debug("could not tokenize a request for routing: %s", exc)
             return None
-
-
-def report_keys(blocks: Any) -> frozenset[int]:
-    """A report's held keys: a list of ints (what replicas report), or the same keys as
-    one byte string of native int64s (``array("q", keys).tobytes()``: a broadcast of 1,024
-    replicas' reports unpickles as one copy instead of 300,000 ints; BENCHMARKS, "Fleet
-    simulation")."""
-    if isinstance(blocks, bytes | bytearray | memoryview):
-        return frozenset(array("q", bytes(blocks)))
-    return frozenset(blocks or ())
 
 
 def _token_ids(values: list[Any]) -> bool:

@@ -47,7 +47,7 @@ from rbln_ray.serve.cache_routing import (
     CacheAwareRouter,
     PromptTokenizer,
 )
-from rbln_ray.serve.kv_events import STATS_BLOCK_SIZE, STATS_BLOCKS, STATS_EVENTS
+from rbln_ray.serve.kv_events import STATS_BLOCK_SIZE, STATS_BLOCKS, STATS_EVENTS, pack_keys
 from rbln_ray.serve.kv_index import extend_chain
 from rbln_ray.serve.service_times import (
     STATS_LOAD,
@@ -217,7 +217,7 @@ class SimulatedRouter:
             if report is not None:
                 stats = {
                     STATS_BLOCK_SIZE: report.block_size,
-                    STATS_BLOCKS: report.keys,
+                    STATS_BLOCKS: pack_keys(report.keys),  # as replicas send them
                     STATS_EVENTS: report.version,
                 }
                 if report.service_s is not None:

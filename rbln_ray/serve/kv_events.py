@@ -16,6 +16,7 @@ import logging
 import shutil
 import tempfile
 import threading
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,22 @@ STATS_BLOCK_SIZE = "kv_block_size"
 STATS_BLOCKS = "kv_blocks"
 STATS_EVENTS = "kv_events"
 STATS_HOST_BLOCKS = "kv_host_blocks"  # held in the node's host KV tier, not on the device
+
+
+def pack_keys(keys: list[int]) -> bytes:
+    """Block keys as a report carries them: one byte string of native int64s (every key is
+    an 8-byte digest). Serve pickles every replica's report into every router's broadcast;
+    at 1,024 replicas the keys as lists of ints took 18 ms per broadcast to unpickle, as byte
+    strings 1.7 ms (BENCHMARKS, "Fleet simulation")."""
+    return array("q", keys).tobytes()
+
+
+def report_keys(blocks: Any) -> frozenset[int]:
+    """A report's keys (:func:`pack_keys`; a list of ints, as replicas reported them before,
+    is read too)."""
+    if isinstance(blocks, bytes | bytearray | memoryview):
+        return frozenset(array("q", bytes(blocks)))
+    return frozenset(blocks or ())
 
 
 class KVEventListener:
@@ -71,8 +88,8 @@ class KVEventListener:
                 self.index.prune_host(self._in_tier)
             return {
                 STATS_BLOCK_SIZE: self.index.block_size,
-                STATS_BLOCKS: self.index.keys(),
-                STATS_HOST_BLOCKS: self.index.host_keys(),
+                STATS_BLOCKS: pack_keys(self.index.keys()),
+                STATS_HOST_BLOCKS: pack_keys(self.index.host_keys()),
                 STATS_EVENTS: self.index.events,
             }
 

@@ -137,11 +137,13 @@ def replica_reports() -> list[dict]:
     """Every replica's routing stats as it would report them now (distinct reports)."""
     from ray import serve
 
+    from rbln_ray.serve.kv_events import report_keys
+
     handle = serve.get_deployment_handle("LLMServer:demo", "rbln-ray")
-    found: dict[tuple, dict] = {}
+    found: dict[frozenset, dict] = {}
     for _ in range(60):
         stats = handle.record_routing_stats.remote().result()
-        found[tuple(stats["kv_blocks"])] = stats
+        found[report_keys(stats["kv_blocks"])] = stats
     return list(found.values())
 
 
@@ -180,6 +182,7 @@ def test_a_session_sticks_moves_when_full_and_survives_its_replica(
     import ray
 
     from rbln_ray.serve.cache_routing import PromptTokenizer
+    from rbln_ray.serve.kv_events import report_keys
     from rbln_ray.serve.kv_index import chain_hashes
     from rbln_ray.serve.service_times import STATS_PREFILL_S_PER_TOKEN, STATS_SERVICE_S
 
@@ -200,7 +203,7 @@ def test_a_session_sticks_moves_when_full_and_survives_its_replica(
         reports = replica_reports()
         size = next((r["kv_block_size"] for r in reports if r["kv_block_size"]), None)
         keys = set(chain_hashes(last, size)) if size else set()
-        return sum(keys <= set(r["kv_blocks"]) for r in reports) if keys else -1
+        return sum(keys <= report_keys(r["kv_blocks"]) for r in reports) if keys else -1
 
     deadline = time.monotonic() + 60
     while holders() != 1:  # the replica's KV event listener catches up within milliseconds

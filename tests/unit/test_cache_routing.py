@@ -30,7 +30,7 @@ from rbln_ray.serve.cache_routing import (
     scoped_session,
     session_of,
 )
-from rbln_ray.serve.kv_events import STATS_BLOCK_SIZE, STATS_BLOCKS, STATS_EVENTS
+from rbln_ray.serve.kv_events import STATS_BLOCK_SIZE, STATS_BLOCKS, STATS_EVENTS, pack_keys
 from rbln_ray.serve.kv_index import CachedBlocks, chain_hashes, held_prefix
 from rbln_ray.serve.routing import rank
 from rbln_ray.serve.service_times import (
@@ -125,7 +125,8 @@ def test_listener_indexes_what_vllms_publisher_sends() -> None:
         publisher.shutdown()
         listener.close()
     assert report[STATS_BLOCK_SIZE] == BS
-    assert report[STATS_BLOCKS] == sorted(chain_hashes(prompt, BS)[:2])
+    # the keys as one int64 byte string (kv_events.pack_keys), sorted
+    assert report[STATS_BLOCKS] == pack_keys(sorted(chain_hashes(prompt, BS)[:2]))
 
 
 # ------------------------------------------------------------------ the policy

@@ -281,15 +281,15 @@ def test_indexed_path_refuses_when_capacities_differ_and_serve_hands_new_lists()
     asyncio.run(scenario())
 
 
-def test_reports_may_carry_their_keys_as_one_int64_string() -> None:
-    """A replica's held keys as a list (what replicas send) or packed as native int64s (a
-    1,024-replica broadcast then unpickles as copies, not 300,000 ints): the same keys."""
-    from array import array
-
-    from rbln_ray.serve.cache_routing import report_keys
+def test_reports_carry_their_keys_as_one_int64_string() -> None:
+    """A replica's held keys packed as native int64s (what replicas send: a 1,024-replica
+    broadcast then unpickles as copies, not 300,000 ints) or as a list (as they sent them
+    before): the same keys."""
+    from rbln_ray.serve.kv_events import pack_keys, report_keys
 
     keys = chain_hashes(list(range(64)), BS)
-    packed = array("q", keys).tobytes()
+    packed = pack_keys(keys)
+    assert isinstance(packed, bytes) and len(packed) == 8 * len(keys)
     assert report_keys(keys) == report_keys(packed) == frozenset(keys)
     assert report_keys(None) == report_keys(b"") == frozenset()
 
