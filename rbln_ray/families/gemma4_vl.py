@@ -72,9 +72,10 @@ DEFAULT_MAX_SOFT_TOKENS = 280  # transformers' Gemma4ImageProcessorPil's
 # The tiny model's image budget: the smallest the image processor allows.
 TINY_MAX_SOFT_TOKENS = 70
 BIDIRECTIONAL_REASON = (
-    "optimum-rbln 0.12 compiles no Gemma 4 prefill that attends bidirectionally within an image "
-    "on the sliding layers only, as transformers does for this setting (its image_prefill graphs "
-    "do on every layer, its prefill graph on none)"
+    "optimum-rbln 0.12 compiles no Gemma 4 prefill that attends as transformers does with it "
+    "('vision': bidirectionally within an image on the sliding layers only; 'all': every "
+    "token bidirectionally): its image_prefill graphs attend bidirectionally within an image "
+    "on every layer, its prefill graph causally"
 )
 
 

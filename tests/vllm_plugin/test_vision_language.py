@@ -300,8 +300,12 @@ def test_optimums_own_image_prefill_differs_from_transformers(family: str) -> No
     (rbln_ray.families.gemma4_vl): optimum-rbln's own ``generate`` on the same compiled model
     (its image_prefill graphs, bidirectional on every layer, and per-layer inputs from the
     image token) gives other tokens than transformers, which the engine's match
-    (test_greedy_with_images_matches_transformers). And the engine start refuses a model
-    whose text config asks for bidirectional attention, which no compiled graph serves."""
+    (test_greedy_with_images_matches_transformers). With ``use_bidirectional_attention:
+    "vision"`` transformers gives tokens neither graph gives (bidirectional on the sliding
+    layers only): the engine start refuses a model whose text config asks for it."""
+    import torch
+    import transformers
+
     from rbln_ray.compile.vision import load_hf_processor
     from rbln_ray.emulator.switch import require_runtime
     from rbln_ray.families.gemma4_vl import BIDIRECTIONAL_REASON, Embedder
@@ -318,8 +322,22 @@ def test_optimums_own_image_prefill_differs_from_transformers(family: str) -> No
     prompt_ids, want = hf_vlm_greedy(hf_dir, prompt, images, MAX_TOKENS)
     inputs = load_hf_processor(hf_dir)(images=images, text=[prompt], return_tensors="pt")
     assert inputs["input_ids"][0].tolist() == prompt_ids
+    model.generation_config.eos_token_id = None  # as the reference: every token generated
     out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-    assert out[0, len(prompt_ids) :].tolist() != want
+    image_prefill = out[0, len(prompt_ids) :].tolist()
+    assert image_prefill != want and len(image_prefill) == len(want)
+    # transformers with bidirectional sliding layers (the image's tokens marked as its
+    # processor marks them)
+    reference = transformers.Gemma4ForConditionalGeneration.from_pretrained(str(hf_dir)).eval()
+    reference.config.text_config.use_bidirectional_attention = "vision"
+    reference.generation_config.eos_token_id = None
+    marked = (inputs["input_ids"] == reference.config.image_token_id).long()
+    with torch.no_grad():
+        vision = reference.generate(
+            **inputs, mm_token_type_ids=marked, max_new_tokens=MAX_TOKENS, do_sample=False
+        )
+    vision = vision[0, len(prompt_ids) :].tolist()
+    assert vision != want and vision != image_prefill
     model.config.text_config.use_bidirectional_attention = "vision"
     with pytest.raises(ValueError, match="use_bidirectional_attention='vision'") as refused:
         Embedder(model)
