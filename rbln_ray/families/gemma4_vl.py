@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ from vllm.multimodal.processing import (
     PromptUpdateDetails,
 )
 
+from rbln_ray.common.artifact_files import HF_CONFIG, RBLN_CONFIG
 from rbln_ray.families.contract import VisionCode
 from rbln_ray.families.registry import DECODERS
 from rbln_ray.families.vision_base import (
@@ -96,15 +98,16 @@ def refuse(where: str | Path, text_config: Mapping[str, Any]) -> None:
         raise ValueError(f"{where}: Gemma 4 with images: {'; '.join(found)}")
 
 
-def compiled_budgets(model_dir: str | Path) -> list[int]:
+@cache
+def compiled_budgets(model_dir: str) -> tuple[int, ...]:
     """The image budgets (``max_soft_tokens``) a model's vision tower takes: its compiled ones,
     or (an HF directory, compiled on first use) what :meth:`Gemma4VL.vision_rbln_config`
-    compiles it for."""
-    compiled = Path(model_dir) / "rbln_config.json"
+    compiles it for. Read once per model directory: vLLM's processor asks per request."""
+    compiled = Path(model_dir) / RBLN_CONFIG
     if compiled.is_file():
         budgets = json.loads(compiled.read_text())["vision_tower"]["max_soft_tokens"]
-        return budgets if isinstance(budgets, list) else [budgets]
-    return [CODE.vision_rbln_config(model_dir)["vision_tower"]["max_soft_tokens"]]
+        return tuple(budgets) if isinstance(budgets, list) else (budgets,)
+    return (CODE.vision_rbln_config(model_dir)["vision_tower"]["max_soft_tokens"],)
 
 
 def soft_tokens(position_ids: torch.Tensor, pooling_kernel_size: int) -> int:
@@ -206,7 +209,7 @@ class Gemma4MultiModalProcessor(BaseMultiModalProcessor[Gemma4ProcessingInfo]):
             if budget not in compiled:
                 raise ValueError(
                     f"images processed for max_soft_tokens={budget}, but the compiled Gemma 4 "
-                    f"vision tower takes max_soft_tokens {compiled} only"
+                    f"vision tower takes max_soft_tokens {list(compiled)} only"
                 )
         return {
             "pixel_values": MultiModalFieldConfig.batched("image"),
@@ -287,7 +290,7 @@ class Gemma4VL(VisionCode):
     def language_rbln_config(self, hf_dir: str | Path, language: dict[str, Any]) -> dict[str, Any]:
         """The attention mask the text family compiles with (optimum's Gemma 4 decoder requires
         it); refuses what :func:`refusals` names before optimum compiles it."""
-        config = json.loads((Path(hf_dir) / "config.json").read_text())
+        config = json.loads((Path(hf_dir) / HF_CONFIG).read_text())
         refuse(hf_dir, config.get("text_config") or {})
         return {"use_attention_mask": DECODERS["gemma4"].compile_extra["use_attention_mask"]}
 
