@@ -26,14 +26,6 @@ key                                    default     meaning
                                                    slow fewer decode steps but delay the long
                                                    prompt's first token (BENCHMARKS.md §6);
                                                    0 runs its chunks back to back
-``rbln_decode_waits_for_prefill``      true        async scheduling: while the compiled batch
-                                                   has free rows, the decode step after a
-                                                   prefill is decided when that prefill ends,
-                                                   not scheduled ahead of it, so requests that
-                                                   arrived meanwhile are prefilled first
-                                                   instead of after a whole decode step
-                                                   (BENCHMARKS.md §16); false schedules it
-                                                   ahead, as vLLM does
 ``rbln_placement_strategy``            PACK        Ray placement strategy of the workers
                                                    (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)
 ``rbln_placement_timeout_s``           120         seconds to wait for the workers' devices
@@ -58,15 +50,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictBool,
-    StrictInt,
-    ValidationError,
-    field_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
 from rbln_ray.compile.settings import CompileSettings
 
@@ -109,7 +93,6 @@ class RBLNOptions(PlacementSettings):
 
     compile: CompileSettings = Field(default_factory=CompileSettings)
     decode_steps_between_chunks: StrictInt = Field(1, ge=0)
-    decode_waits_for_prefill: StrictBool = True
     spec_policy: Literal["auto", "always"] = "auto"
     spec_min_gain: float = Field(1.05, gt=0)
     spec_probe_steps: StrictInt = Field(32, ge=1)

@@ -19,13 +19,6 @@ prompt at least ``decode_steps_between_chunks`` decode steps run while requests 
 most one chunk, every few tokens, instead of stalling the batch for its whole prefill. With
 several prompts in prefill, the one closest to its first token goes first.
 
-With async scheduling vLLM schedules step N+1 while step N runs. After a prefill that would
-commit the next decode step before the requests arriving during the prefill are seen, and on
-RBLN a decode step costs the compiled batch's device time however few rows are live: so while
-the batch has free rows, the decode after a prefill is decided when the prefill ends
-(``decode_waits_for_prefill``), and requests that arrived meanwhile are prefilled first, as
-they would be had they arrived together. Decode after decode is still scheduled ahead.
-
 vLLM's KV cache manager (its prefix cache included) works on small vLLM blocks; after each
 step :class:`~rbln_ray.vllm_plugin.kv_blocks.OuterBlockManager` maps them onto the compiled
 RBLN blocks and the step's :class:`~rbln_ray.vllm_plugin.kv_blocks.KVStepPlan` (block tables,
@@ -46,7 +39,6 @@ decode steps produce) and the step decodes.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -116,8 +108,6 @@ class _RBLNScheduling:
         # The last prefill attempt scheduled nothing while requests were decoding: run the
         # decodes next instead of retrying the prefill in a loop.
         self._prefill_stalled = False
-        # Kinds of the steps scheduled and not yet back (async scheduling: up to two).
-        self._in_flight: deque[str] = deque()
         self.decode_sizes = artifact.decoder_batch_sizes
         self._running_count = 0
         # Speculative decoding: tokens per verify row, positions a draft model writes past
@@ -227,8 +217,6 @@ class _RBLNScheduling:
             kind, visible, limit = "prefill", [], 1
         elif chunk is not None and not self._prefill_stalled:
             kind, visible, limit = "prefill", [chunk], 1
-        elif self._decode_waits_for_prefill():
-            kind, visible, limit = "decode", [], 0  # nothing now: decided when it ends
         else:
             kind = "decode"
             self._make_room_for_decodes(decoding)
@@ -249,21 +237,8 @@ class _RBLNScheduling:
         elif scheduled:
             self._decodes_since_prefill += 1
             self._prefill_stalled = False
-        if scheduled:
-            self._in_flight.append(kind)
         plan = self._plan(output, kind if scheduled else "idle")
         return RBLNSchedulerOutput.wrap(output, plan)
-
-    def _decode_waits_for_prefill(self) -> bool:
-        """Hold the next decode step until the prefill in flight ends (module docstring):
-        async scheduling only, and only while the compiled batch has rows to fill, so the
-        wait is at most one prefill step each time and ends once the batch is full."""
-        return (
-            self.options.decode_waits_for_prefill
-            and self.scheduler_config.async_scheduling
-            and "prefill" in self._in_flight
-            and len(self.running) < self.max_num_running_reqs
-        )
 
     def add_request(self, request: Request) -> None:
         """vLLM's, except a request naming a LoRA adapter that is not compiled in: finished
@@ -278,8 +253,6 @@ class _RBLNScheduling:
         """vLLM's, plus the requests of a step whose device call raised (the Ray executor's
         ``FailedStepOutput``): finished with an error, so each gets a terminal error answer
         from this replica rather than a retry that would fail another replica too."""
-        if scheduler_output.total_num_scheduled_tokens and self._in_flight:
-            self._in_flight.popleft()
         failed = getattr(model_runner_output, "failed_req_ids", None)
         if failed:
             vllm_internals.finish_with_error(self, failed)

@@ -25,14 +25,13 @@ def test_defaults_and_typed_values() -> None:
         {
             "rbln_compile": {"batch_size": 8, "decoder_batch_sizes": [8, 4]},
             "rbln_decode_steps_between_chunks": 3,
-            "rbln_decode_waits_for_prefill": False,
             "rbln_placement_strategy": "spread",
             "rbln_placement_timeout_s": "12.5",
             "other_plugin_key": object(),  # not ours: left alone
         }
     )
     assert options.compile == CompileSettings(batch_size=8, decoder_batch_sizes=(8, 4))
-    assert options.decode_steps_between_chunks == 3 and not options.decode_waits_for_prefill
+    assert options.decode_steps_between_chunks == 3
     assert (options.placement_strategy, options.placement_timeout_s) == ("SPREAD", 12.5)
 
 
@@ -42,7 +41,6 @@ def test_defaults_and_typed_values() -> None:
         ({"rbln_decode_steps_between_chunk": 2}, "unknown rbln-ray options"),
         ({"rbln_decode_steps_between_chunks": -1}, "between_chunks.*greater than or equal to 0"),
         ({"rbln_decode_steps_between_chunks": True}, "decode_steps_between_chunks.*integer"),
-        ({"rbln_decode_waits_for_prefill": "no"}, "decode_waits_for_prefill.*boolean"),
         ({"rbln_placement_strategy": "NEAR"}, "placement_strategy.*'PACK'"),
         ({"rbln_placement_timeout_s": 0}, "placement_timeout_s.*greater than 0"),
         ({"rbln_placement_timeout_s": "soon"}, "placement_timeout_s.*number"),

@@ -142,77 +142,9 @@ def test_decode_rows_never_exceed_the_compiled_batch(tmp_path: Path) -> None:
 def test_async_scheduling_schedules_ahead_of_outputs(artifact: Path) -> None:
     """With async scheduling a decoding request is scheduled again before its previous
     step's token came back (vLLM's placeholders), so two steps can be in flight."""
-    h = Harness(artifact, additional_config={"rbln_decode_waits_for_prefill": False})
+    h = Harness(artifact)
     h.add("r", [5] * 10, max_tokens=8)
     first = h.scheduler.schedule()  # the prefill, output not yet returned
     second = h.scheduler.schedule()  # the first decode, scheduled ahead
     assert first.rbln_plan.kind == "prefill" and second.rbln_plan.kind == "decode"
     assert second.num_scheduled_tokens == {"r": 1}
-
-
-def test_a_decode_after_a_prefill_waits_for_what_arrives_during_it(artifact: Path) -> None:
-    """BENCHMARKS §16: streams that arrive one by one over HTTP. Scheduled ahead, the decode
-    after ``a``'s prefill would run before ``b``, which arrives during that prefill, so ``b``
-    waits a whole decode step (a decode step costs the compiled batch's device time however
-    few rows are live). By default the decode is decided when the prefill ends: ``b`` is
-    prefilled first and joins ``a`` in one decode step. Decode after decode is still
-    scheduled ahead, and once the batch is full nothing waits."""
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    def output_of(step, tokens: dict[str, list[int]]) -> ModelRunnerOutput:
-        ids = list(step.num_scheduled_tokens)
-        return ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[tokens.get(r, []) for r in ids],
-        )
-
-    def run(waits: bool) -> list[tuple[str, list[str]]]:
-        h = Harness(artifact, additional_config={"rbln_decode_waits_for_prefill": waits})
-        sched, kinds = h.scheduler, []
-
-        def schedule():
-            out = sched.schedule()
-            kinds.append((out.rbln_plan.kind, sorted(out.num_scheduled_tokens)))
-            return out
-
-        h.add("a", [5] * 10, max_tokens=4)
-        prefill_a = schedule()
-        ahead = schedule()  # while a's prefill runs
-        h.add("b", [6] * 10, max_tokens=4)  # arrives during it
-        sched.update_from_output(prefill_a, output_of(prefill_a, {"a": [7]}))
-        pending = [ahead]
-        while sched.has_requests():
-            out = schedule()
-            pending.append(out)
-            if len(pending) == 2 or not out.num_scheduled_tokens:  # two in flight, or idle
-                done = pending.pop(0)
-                sched.update_from_output(
-                    done, output_of(done, {r: [7] for r in done.num_scheduled_tokens})
-                )
-        return kinds
-
-    ahead = run(waits=False)
-    assert ahead[:3] == [("prefill", ["a"]), ("decode", ["a"]), ("prefill", ["b"])], ahead
-    waited = run(waits=True)
-    assert waited[:3] == [("prefill", ["a"]), ("idle", []), ("prefill", ["b"])], waited
-    decodes = [ids for kind, ids in waited if kind == "decode"]
-    assert decodes[0] == ["a", "b"] and all(ids == ["a", "b"] for ids in decodes[:3]), waited
-    # b's prefill also ran with decoding rows free: after it, nothing was scheduled ahead;
-    # decode after decode was.
-    assert len(ahead) > len([k for k, _ in waited if k != "idle"]), (ahead, waited)
-
-
-def test_a_full_batch_does_not_wait_for_a_prefill(artifact: Path) -> None:
-    """The wait is only for rows to fill: with every compiled row taken (a chunked prompt's
-    prefill among them), the decode steps go ahead of its chunks as before."""
-    h = Harness(artifact)
-    for i in range(BATCH - 1):
-        h.add(f"r{i}", [i + 1] * 5, max_tokens=50)
-    for _ in range(BATCH):  # their prefills, then a decode
-        h.step()
-    h.add("long", list(range(1, 300)), max_tokens=2)
-    chunk = h.scheduler.schedule()
-    assert chunk.rbln_plan.kind == "prefill" and "long" in chunk.num_scheduled_tokens
-    ahead = h.scheduler.schedule()  # the batch is full (3 decoding + long): no wait
-    assert ahead.rbln_plan.kind == "decode" and len(ahead.num_scheduled_tokens) == BATCH - 1
