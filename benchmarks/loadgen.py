@@ -151,19 +151,36 @@ async def run_load(
     progress: bool = True,
     warmup: int = 2,
 ) -> dict[str, Any]:
-    """Send every prompt once over HTTP; return :func:`aggregate` of the measured phase."""
+    """Send every prompt once over HTTP; return :func:`aggregate` of the measured phase.
+
+    Each of the ``concurrency`` workers has a client of its own with one keep-alive
+    connection, as independent users would. One client with a pool of ``concurrency``
+    connections spent the load generator's time, not the server's: httpcore scans its whole
+    pool whenever a response closes, so 256 streams ending together took seconds of its
+    CPU before the next requests went out (BENCHMARKS.md section 16).
+    """
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    idle: asyncio.Queue[httpx.AsyncClient] = asyncio.Queue()
+    clients = [httpx.AsyncClient(limits=limits, trust_env=False) for _ in range(concurrency)]
+    for client in clients:
+        idle.put_nowait(client)
 
-        async def one(p: list[int]) -> dict[str, Any]:
+    async def one(p: list[int]) -> dict[str, Any]:
+        client = await idle.get()
+        try:
             return await _one(client, url, completion_body(model, p, output_len), headers, timeout)
+        finally:
+            idle.put_nowait(client)
 
+    try:
         desc = f"{base_url} c={concurrency}"
         return await closed_loop(one, prompts, concurrency, request_rate, warmup, desc, progress)
+    finally:
+        await asyncio.gather(*(client.aclose() for client in clients))
 
 
 async def wait_ready(base_url: str, timeout: float, api_key: str | None = None) -> None:
