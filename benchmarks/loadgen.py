@@ -159,13 +159,18 @@ async def run_load(
     pool whenever a response closes, so 256 streams ending together took seconds of its
     CPU before the next requests went out (BENCHMARKS.md section 16).
     """
+    import ssl
+
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    tls = ssl.create_default_context()  # one for all: each loads the CA store (~20 ms)
     idle: asyncio.Queue[httpx.AsyncClient] = asyncio.Queue()
-    clients = [httpx.AsyncClient(limits=limits, trust_env=False) for _ in range(concurrency)]
+    clients = [
+        httpx.AsyncClient(limits=limits, trust_env=False, verify=tls) for _ in range(concurrency)
+    ]
     for client in clients:
         idle.put_nowait(client)
 
