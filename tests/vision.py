@@ -89,7 +89,9 @@ def compiled_vlm(family: str = "llava") -> Path:
 _MODELS: dict[str, Any] = {}
 
 
-def _reference(model_dir: Path):
+def hf_reference(model_dir: Path):
+    """transformers' model (float32, every token generated, as vLLM's ignore_eos) and the
+    HF processor of ``model_dir``, loaded once per directory."""
     import torch
     import transformers
 
@@ -130,7 +132,7 @@ def hf_vlm_greedy(
 
     from rbln_ray.families.registry import vision_for_dir
 
-    model, processor = _reference(model_dir)
+    model, processor = hf_reference(model_dir)
     family = vision_for_dir(model_dir).name
     if not images and not videos and family == "paligemma":
         # PaliGemma's processor refuses a prompt without an image; vLLM runs no multimodal
@@ -163,5 +165,5 @@ def hf_vlm_greedy(
 
 def hf_chat_prompt(model_dir: Path, messages: list[dict]) -> str:
     """The prompt the model's chat template renders for OpenAI-style ``messages``."""
-    _, processor = _reference(model_dir)
+    _, processor = hf_reference(model_dir)
     return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -39,6 +39,7 @@ from tests.vision import (
     LARGE_BUDGET,
     compiled_vlm,
     hf_chat_prompt,
+    hf_reference,
     hf_vlm_greedy,
     image_chat,
     image_spec,
@@ -304,7 +305,6 @@ def test_optimums_own_image_prefill_differs_from_transformers(family: str) -> No
     "vision"`` transformers gives tokens neither graph gives (bidirectional on the sliding
     layers only): the engine start refuses a model whose text config asks for it."""
     import torch
-    import transformers
 
     from rbln_ray.compile.vision import load_hf_processor
     from rbln_ray.emulator.switch import require_runtime
@@ -328,14 +328,18 @@ def test_optimums_own_image_prefill_differs_from_transformers(family: str) -> No
     assert image_prefill != want and len(image_prefill) == len(want)
     # transformers with bidirectional sliding layers (the image's tokens marked as its
     # processor marks them)
-    reference = transformers.Gemma4ForConditionalGeneration.from_pretrained(str(hf_dir)).eval()
-    reference.config.text_config.use_bidirectional_attention = "vision"
-    reference.generation_config.eos_token_id = None
+    reference, _ = hf_reference(hf_dir)  # the one hf_vlm_greedy ran, set back after
     marked = (inputs["input_ids"] == reference.config.image_token_id).long()
-    with torch.no_grad():
-        vision = reference.generate(
-            **inputs, mm_token_type_ids=marked, max_new_tokens=MAX_TOKENS, do_sample=False
-        )
+    text_config = reference.config.text_config
+    before = text_config.use_bidirectional_attention
+    text_config.use_bidirectional_attention = "vision"
+    try:
+        with torch.no_grad():
+            vision = reference.generate(
+                **inputs, mm_token_type_ids=marked, max_new_tokens=MAX_TOKENS, do_sample=False
+            )
+    finally:
+        text_config.use_bidirectional_attention = before
     vision = vision[0, len(prompt_ids) :].tolist()
     assert vision != want and vision != image_prefill
     model.config.text_config.use_bidirectional_attention = "vision"
