@@ -150,7 +150,7 @@ def serve_paths(compiled, prompts, concurrencies, args) -> dict[str, dict]:
     try:
         port = common.free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        url = common.deploy_serve_app(compiled, 1, port)
+        url = common.deploy_serve_app(compiled, 1, port, {"routing": args.routing})
         loop.run_until_complete(wait_ready(url, 600))
         out["controls"] = controls(port, loop)
         for c in concurrencies:
@@ -234,10 +234,18 @@ def main(argv: list[str] | None = None) -> int:
         help="run the Serve app in Ray Serve's high-throughput mode (direct ingress behind "
         "HAProxy, gRPC between deployments): results go to serve_overhead_throughput_optimized",
     )
+    p.add_argument(
+        "--routing",
+        default="load_aware",
+        choices=("load_aware", "cache_aware", "direct"),
+        help="the app's routing; direct (the model replica is the ingress) adds _direct to "
+        "the result file's name",
+    )
     args = p.parse_args(argv)
     if args.throughput_optimized:
         common.use_throughput_optimized_serve()
     stem = "serve_overhead" + ("_throughput_optimized" if args.throughput_optimized else "")
+    stem += "_direct" if args.routing == "direct" else ""
     if args.quick:
         args.concurrency, args.num_prompts, args.output_len = "1,4", 8, 8
     concurrencies = [int(c) for c in args.concurrency.split(",")]

@@ -27,6 +27,7 @@ from rbln_ray.serve.config import (
     RequestLimits,
     load_config,
 )
+from rbln_ray.serve.direct import DirectServer
 from rbln_ray.serve.disaggregation import PrefillPool, pools, prefill_deployment_name
 from rbln_ray.serve.ingress import OpenAIIngress
 from rbln_ray.serve.lora_models import adapter_bases
@@ -151,16 +152,11 @@ def replica_actor_options(bundles: list[dict[str, float]]) -> dict[str, Any]:
     return {"num_cpus": 0, **({"resources": devices} if devices else {})}
 
 
-def build_server(
-    cfg: ModelDeploymentConfig,
-    routing: str = "load_aware",
-    limits: RequestLimits | None = None,
-    name: str | None = None,
-) -> Application:
-    """The ``LLMServer`` deployment of ``cfg`` (named ``name``, default the model's)."""
+def server_options(cfg: ModelDeploymentConfig, name: str) -> dict[str, Any]:
+    """Serve options of a deployment whose replicas run ``cfg``'s engine."""
     bundles = server_bundles(cfg)
-    options: dict[str, Any] = {
-        "name": name or server_deployment_name(cfg.name),
+    return {
+        "name": name,
         "placement_group_bundles": bundles,
         "placement_group_strategy": cfg.placement_strategy,
         "max_ongoing_requests": replica_max_ongoing(cfg),
@@ -169,7 +165,34 @@ def build_server(
         "health_check_timeout_s": cfg.health_check_timeout_s,
         "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
         "ray_actor_options": replica_actor_options(bundles),
+        **replica_options(cfg),
     }
+
+
+def build_direct(config: AppConfig) -> Application:
+    """``routing: direct``: the one model's replicas are the app's ingress
+    (:mod:`rbln_ray.serve.direct`)."""
+    cfg = config.models[0]
+    deployment = serve.deployment(serve.ingress()(DirectServer))
+    return deployment.options(**server_options(cfg, server_deployment_name(cfg.name))).bind(
+        engine_config(cfg).model_dump(),
+        config.limits.model_dump(),
+        config.resolved_api_key(),
+        compiled_max_seq_len(cfg),
+        list(accepted_media(cfg)),
+        config.cors_allowed_origins,
+        adapter_bases(config.models),
+    )
+
+
+def build_server(
+    cfg: ModelDeploymentConfig,
+    routing: str = "load_aware",
+    limits: RequestLimits | None = None,
+    name: str | None = None,
+) -> Application:
+    """The ``LLMServer`` deployment of ``cfg`` (named ``name``, default the model's)."""
+    options = server_options(cfg, name or server_deployment_name(cfg.name))
     if routing == "prefix_affinity":  # it also pins calls about stored responses
         options["request_router_config"] = RequestRouterConfig(
             request_router_class="rbln_ray.serve.routing.PrefixAffinityRouter"
@@ -182,7 +205,6 @@ def build_server(
         options["request_router_config"] = RequestRouterConfig(
             request_router_class="rbln_ray.serve.routing.ResponseAffinityRouter"
         )
-    options.update(replica_options(cfg))
     limits_dump = (limits or RequestLimits()).model_dump()
     kv_events = {"kv_events": True} if routing == "cache_aware" else {}  # replicas report caches
     return (
@@ -230,6 +252,8 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
                 for m in config.models
             ]
         )  # fmt: skip
+    if config.routing == "direct":
+        return build_direct(config)
     servers, prefill_servers = {}, {}
     for m in config.models:
         if m.pd is None:

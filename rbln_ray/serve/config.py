@@ -6,7 +6,7 @@ Example (YAML)::
     host: 127.0.0.1          # used by `rbln-ray serve`; `serve run/deploy` take http_options
     port: 8000
     api_key: null            # or a string; `api_key_env` names an env var instead
-    routing: load_aware      # or prefix_affinity, cache_aware
+    routing: load_aware      # or prefix_affinity, cache_aware, direct (one model)
     ingress: {num_replicas: 1, max_ongoing_requests: 4096, graceful_shutdown_timeout_s: 600}
     # or ingress: {autoscaling_config: {min_replicas: 1, max_replicas: 8,
     #                                   target_ongoing_requests: 512}}
@@ -325,8 +325,10 @@ class AppConfig(_Strict):
     api_key: str | None = None
     api_key_env: str | None = None
     api_key_file: str | None = None
-    # cache_aware: rbln_ray.serve.cache_routing (sessions, replicas' reported caches, load)
-    routing: Literal["load_aware", "prefix_affinity", "cache_aware"] = "load_aware"
+    # cache_aware: rbln_ray.serve.cache_routing (sessions, replicas' reported caches, load);
+    # direct: Serve's proxy sends each request straight to a model replica, which runs the
+    # ingress's checks itself (rbln_ray.serve.direct: one model, one hop fewer)
+    routing: Literal["load_aware", "prefix_affinity", "cache_aware", "direct"] = "load_aware"
     # Browser origins allowed to call the app (CORS; `vllm serve`'s --allowed-origins, which
     # defaults to every origin). Empty: no CORS headers, browsers refuse cross-origin calls.
     cors_allowed_origins: list[str] = Field(default_factory=list)
@@ -340,6 +342,37 @@ class AppConfig(_Strict):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"model names must be unique; repeated: {duplicates}")
+        return self
+
+    @model_validator(mode="after")
+    def _direct_routing(self) -> AppConfig:
+        """``routing: direct`` serves one model from replicas that are the app's ingress:
+        what needs a separate ingress deployment is refused with the reason."""
+        if self.routing != "direct":
+            return self
+        if len(self.models) != 1:
+            names = [m.name for m in self.models]
+            raise ValueError(
+                f"routing: direct serves one model per app (the proxy sends each request "
+                f"straight to its replicas), not {names}: deploy one app per model"
+            )
+        model = self.models[0]
+        if model.pd is not None:
+            raise ValueError(
+                f"routing: direct: model {model.name} has pd, whose prefill hop is the "
+                "ingress's; use another routing"
+            )
+        if model.responses_store and (model.num_replicas or 0) != 1:
+            raise ValueError(
+                f"routing: direct: model {model.name} stores responses in the replica that "
+                "made them, and the proxy cannot send a later call about one back there; "
+                "use num_replicas: 1 or another routing"
+            )
+        if "ingress" in self.model_fields_set:
+            raise ValueError(
+                "routing: direct has no ingress deployment (the model's replicas are the "
+                "ingress): drop ingress:"
+            )
         return self
 
     @model_validator(mode="after")

@@ -417,3 +417,85 @@ def test_a_replica_may_drive_its_devices_itself(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(builder, "worker_layout", lambda cfg: (2, 1))  # a staged artifact
     with pytest.raises(ValueError, match="has 2 pipeline stages"):
         builder.server_bundles(model(engine_kwargs={"distributed_executor_backend": "uni"}))
+
+
+def test_direct_routing_makes_the_model_replicas_the_ingress(tmp_path) -> None:
+    """``routing: direct``: one deployment, the model's, as the app's ingress, with the
+    model's replica options and the ingress's settings; what needs a separate ingress is
+    refused at load, saying why."""
+    from rbln_ray.serve import builder
+    from rbln_ray.serve.direct import DirectServer
+    from tests.unit.engine_harness import write_artifact
+
+    art = str(write_artifact(tmp_path))
+    model = {"name": "m", "model": art, "num_replicas": 2, "max_queued_requests": 7}
+    config = load_config({"routing": "direct", "api_key": "k", "models": [model]})
+    app = builder.build_app(config)
+    deployment = app._bound_deployment
+    assert deployment.name == "LLMServer:m"
+    assert issubclass(deployment.func_or_class, DirectServer)
+    assert deployment.num_replicas == 2
+    assert deployment._deployment_config.max_queued_requests == 7
+    assert deployment._replica_config.placement_group_bundles == [
+        {"CPU": 1},
+        {"RBLN": 1, "CPU": 1},
+    ]
+    cfg, limits, api_key, max_model_len, media, cors, bases = deployment.init_args
+    assert (cfg["name"], api_key, media, cors, bases) == ("m", "k", [], [], {})
+    assert max_model_len == builder.compiled_max_seq_len(config.models[0])
+    assert limits == config.limits.model_dump()
+
+    wrong = {
+        "serves one model per app": {"models": [model, {**model, "name": "n"}]},
+        "whose prefill hop is the ingress's": {
+            "models": [
+                {"name": "m", "model": art, "pd": {"prefill_replicas": 1, "decode_replicas": 1}}
+            ]
+        },
+        "use num_replicas: 1 or another routing": {"models": [{**model, "responses_store": True}]},
+        "drop ingress:": {"models": [model], "ingress": {"num_replicas": 2}},
+    }
+    for message, doc in wrong.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_config({"routing": "direct", **doc})
+    one = {**model, "num_replicas": 1, "responses_store": True}
+    assert load_config({"routing": "direct", "models": [one]}).models[0].responses_store
+
+
+def test_the_local_server_answers_as_a_serve_handle_does() -> None:
+    """The ingress calls this replica's own server through the handle API it uses for a
+    remote one: the answer item by item, ``cancel`` closing it (the server then tells vLLM's
+    app the client went away), and the model list."""
+    import asyncio
+
+    from rbln_ray.serve.direct import LocalServer
+    from rbln_ray.serve.http_call import HTTPCall, HTTPStart
+
+    async def scenario() -> None:
+        closed = asyncio.Event()
+
+        class Server:  # the two LLMServer methods the ingress reaches through a handle
+            async def http(self, call: HTTPCall):
+                try:
+                    yield HTTPStart(200, (), b"first " + call.body, True)
+                    yield b"second"
+                    await asyncio.Event().wait()  # a stream the client leaves
+                finally:
+                    closed.set()
+
+            async def models(self) -> dict:
+                return {"data": [{"id": "m"}]}
+
+        local = LocalServer(Server())  # type: ignore[arg-type]
+        assert local.options(stream=True) is local
+        assert await local.models.remote() == {"data": [{"id": "m"}]}
+        call = HTTPCall("POST", "/v1/completions", body=b"x")
+        stream = local.options(stream=True).http.remote(call)
+        first = await stream.__anext__()
+        assert (first.status, first.body) == (200, b"first x")
+        assert await stream.__anext__() == b"second"
+        assert not closed.is_set()
+        stream.cancel()
+        await asyncio.wait_for(closed.wait(), 5)
+
+    asyncio.run(scenario())
