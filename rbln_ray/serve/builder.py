@@ -12,7 +12,7 @@ from typing import Any
 import ray
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from rbln_ray.compile.artifact import CompiledArtifact, is_compiled_dir, load_artifact
 from rbln_ray.compile.encoders import EncoderArtifact
@@ -173,8 +173,12 @@ def build_direct(config: AppConfig) -> Application:
     """``routing: direct``: the one model's replicas are the app's ingress
     (:mod:`rbln_ray.serve.direct`)."""
     cfg = config.models[0]
-    deployment = serve.deployment(serve.ingress()(DirectServer))
-    return deployment.options(**server_options(cfg, server_deployment_name(cfg.name))).bind(
+    options = server_options(cfg, server_deployment_name(cfg.name))
+    # Beyond max_queued_requests Serve's proxy refuses the request itself: with the status
+    # the routed app's ingress gives (a model at capacity), not Serve's default 503.
+    options["backpressure_config"] = BackpressureConfig(status_code=429)
+    deployment = serve.deployment(serve.ingress()(DirectServer)).options(**options)
+    return deployment.bind(
         engine_config(cfg).model_dump(),
         config.limits.model_dump(),
         config.resolved_api_key(),

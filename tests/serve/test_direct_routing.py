@@ -2,11 +2,13 @@
 ingress, with no ingress deployment in front of it. Through the `openai` client a completion
 and a streamed completion equal transformers'; the ingress's checks answer from the replica
 as they do from the routed app's ingress (the API key, an unknown model, the token limit,
-health); the Python client's handle reaches the same replica; the app has one deployment.
+health); beyond the replica's admission and queue limits Serve's proxy answers 429; the
+Python client's handle reaches the same replica; the app has one deployment.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator
 
 import httpx
@@ -28,7 +30,15 @@ def direct_app() -> Iterator[RunningApp]:
     config = {
         "routing": "direct",
         "api_key": API_KEY,
-        "models": [{"name": "tiny", "model": str(compiled_model()), "num_replicas": 1}],
+        "models": [
+            {
+                "name": "tiny",
+                "model": str(compiled_model()),
+                "num_replicas": 1,
+                "max_ongoing_requests": 1,  # one request at a time, one more waits
+                "max_queued_requests": 1,
+            }
+        ],
     }
     app = start_app(config, free_port(), build_tiny_model(family="llama"), devices=1)
     try:
@@ -90,3 +100,21 @@ def test_one_deployment_serves_http_and_the_python_client(direct_app: RunningApp
     handle = RBLNClient("tiny").complete(PROMPT, max_tokens=8, temperature=0, ignore_eos=True)
     assert handle.text == http.json()["choices"][0]["text"]
     assert handle.completion_tokens == 8
+
+
+def test_overload_gets_429_and_serving_continues(direct_app: RunningApp) -> None:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 48, "ignore_eos": True}
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+
+    def one(_: int) -> httpx.Response:
+        url = f"{direct_app.url}/v1/completions"
+        return httpx.post(url, json=body, headers=auth, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(one, range(8)))
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) == {200, 429}, codes  # nothing lost, nothing 5xx
+    for r in responses:
+        if r.status_code == 200:
+            assert r.json()["usage"]["completion_tokens"] == 48
+    assert one(0).status_code == 200

@@ -436,6 +436,7 @@ def test_direct_routing_makes_the_model_replicas_the_ingress(tmp_path) -> None:
     assert issubclass(deployment.func_or_class, DirectServer)
     assert deployment.num_replicas == 2
     assert deployment._deployment_config.max_queued_requests == 7
+    assert deployment._deployment_config.backpressure_config.status_code == 429
     assert deployment._replica_config.placement_group_bundles == [
         {"CPU": 1},
         {"RBLN": 1, "CPU": 1},
