@@ -9,7 +9,8 @@ llama-3-8b), along three paths that differ by one layer each:
 2. ``serve_handle``: the Serve app's model deployment called through its Ray Serve handle
    (what ``rbln_ray.client.RBLNClient`` does): adds the Serve replica hop, the replica's
    vLLM HTTP app and the streamed chunks' way back;
-3. ``serve``: the same app over HTTP through Serve's proxy and the app's ingress.
+3. ``serve``: the same app over HTTP through Serve's proxy and the app's ingress (with
+   ``--routing direct``, Serve's proxy straight to the model replica, which is the ingress).
 
 TTFT p50 differences give the split: ``serve_handle - in_process`` is the replica (Serve's
 handle call, vLLM's HTTP layer in the replica, the chunk stream back), ``serve -
@@ -20,7 +21,7 @@ and the rbln-ray ingress answering ``/version`` itself. The goal (issue 49): Ser
 most 5 ms of TTFT p50 at concurrency 1.
 
     python -m benchmarks.serve_overhead [--quick] [--concurrency 1,4,8] [--shape llama-3-8b]
-        [--throughput-optimized]
+        [--throughput-optimized] [--routing direct]
 """
 
 from __future__ import annotations
