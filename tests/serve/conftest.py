@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.helpers import free_port
@@ -150,3 +152,24 @@ def demo_app() -> Iterator[RunningApp]:
         yield app
     finally:
         stop_app()
+
+
+def overload(app: RunningApp, body: dict, headers: dict | None = None) -> list[httpx.Response]:
+    """8 copies of one completion at once, then one more after them: every answer is a 200
+    with all of ``max_tokens`` or a 429 and both kinds occur (nothing lost, nothing 5xx),
+    and the app serves again once they are done. The 429s, for the caller's own checks."""
+    url = f"{app.url}/v1/completions"
+
+    def one(_: int) -> httpx.Response:
+        return httpx.post(url, json=body, headers=headers, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(one, range(8)))
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) == {200, 429}, codes
+    for r in responses:
+        if r.status_code == 200:
+            assert r.json()["usage"]["completion_tokens"] == body["max_tokens"]
+    after = one(0)
+    assert after.status_code == 200, after.text
+    return [r for r in responses if r.status_code == 429]

@@ -8,14 +8,13 @@ Python client's handle reaches the same replica; the app has one deployment.
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from tests.helpers import compiled_model, hf_greedy
-from tests.serve.conftest import RunningApp, free_port, start_app, stop_app
+from tests.serve.conftest import RunningApp, free_port, overload, start_app, stop_app
 
 pytestmark = pytest.mark.slow
 
@@ -104,17 +103,5 @@ def test_one_deployment_serves_http_and_the_python_client(direct_app: RunningApp
 
 def test_overload_gets_429_and_serving_continues(direct_app: RunningApp) -> None:
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 48, "ignore_eos": True}
-    auth = {"Authorization": f"Bearer {API_KEY}"}
-
-    def one(_: int) -> httpx.Response:
-        url = f"{direct_app.url}/v1/completions"
-        return httpx.post(url, json=body, headers=auth, timeout=120)
-
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        responses = list(pool.map(one, range(8)))
-    codes = sorted(r.status_code for r in responses)
-    assert set(codes) == {200, 429}, codes  # nothing lost, nothing 5xx
-    for r in responses:
-        if r.status_code == 200:
-            assert r.json()["usage"]["completion_tokens"] == 48
-    assert one(0).status_code == 200
+    refused = overload(direct_app, body, {"Authorization": f"Bearer {API_KEY}"})
+    assert all("backpressure" in r.text for r in refused)  # Serve's proxy's own answer

@@ -15,7 +15,6 @@ covers an engine on the emulator, Ray executor steps and Serve requests end to e
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import re
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ import pytest
 
 from benchmarks.api_compat import ASK, TOOLS  # the checker's tool and question
 from tests.helpers import compiled_model, hf_greedy
-from tests.serve.conftest import RunningApp, free_port, start_app, stop_app
+from tests.serve.conftest import RunningApp, free_port, overload, start_app, stop_app
 
 pytestmark = pytest.mark.slow
 
@@ -141,22 +140,9 @@ def test_overload_gets_429_with_an_openai_error_and_serving_continues(
     narrow_app: RunningApp,
 ) -> None:
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 48, "ignore_eos": True}
-
-    def one(_: int) -> httpx.Response:
-        return httpx.post(f"{narrow_app.url}/v1/completions", json=body, timeout=120)
-
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        responses = list(pool.map(one, range(8)))
-    codes = sorted(r.status_code for r in responses)
-    assert set(codes) == {200, 429}, codes  # nothing lost, nothing 5xx
-    for r in responses:
-        if r.status_code == 200:
-            assert r.json()["usage"]["completion_tokens"] == 48
-        else:
-            error = r.json()["error"]
-            assert error["code"] == 429 and "capacity" in error["message"], error
-    after = httpx.post(f"{narrow_app.url}/v1/completions", json=body, timeout=120)
-    assert after.status_code == 200, after.text
+    for r in overload(narrow_app, body):
+        error = r.json()["error"]
+        assert error["code"] == 429 and "capacity" in error["message"], error
 
 
 def test_tool_calls_auto_required_and_named(narrow_app: RunningApp, tokenizer) -> None:
