@@ -2,18 +2,19 @@
 
 Why: in the routed app a request crosses two replicas, the ingress (checks, routing, the SSE
 relay) and a model replica, and the handle call between them is the largest part of what
-Serve adds to a request's first token (BENCHMARKS 18, stage by stage: 2.55 ms of 8.4 at
-concurrency 1 in Ray Serve's high-throughput mode). Here each model replica runs the
-ingress's app itself (:class:`~rbln_ray.serve.ingress.OpenAIIngress`: the API key, limits,
-media policy, vLLM's validation, the same error bodies) and answers from its own engine, so
-Serve's proxy (or HAProxy) sends a request straight to the replica that serves it.
+Serve adds to a request's first token (BENCHMARKS 18, stage by stage). Here each model
+replica runs the ingress's app itself (:class:`~rbln_ray.serve.ingress.OpenAIIngress`: the
+API key, limits, media policy, vLLM's validation, the same error bodies) and answers from
+its own engine, so Serve's proxy (or HAProxy) sends a request straight to the replica that
+serves it.
 
 What it gives up, and why that is the choice to make rather than a default:
 
 * request-aware routing: the proxy balances the replicas (HAProxy: least connections,
   Serve's proxy: its power of two choices), blind to prompts and caches;
-* the ingress's retry: a replica whose engine dies takes the requests it holds with it
-  (the proxy retries only a connection it could not make);
+* the ingress's retry: a replica whose engine dies takes the requests it holds with it;
+* an OpenAI error body on overload: beyond the replica's queue Serve's proxy answers 429
+  itself (the deployment's ``BackpressureConfig``), with its own plain-text body;
 * several models, prefill/decode pools and stored responses across replicas, which need
   the ingress to send a request somewhere chosen: :class:`~rbln_ray.serve.config.AppConfig`
   refuses them with the reason.
@@ -25,7 +26,7 @@ per app; the routed app stays the default.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from rbln_ray.serve.config import RequestLimits
@@ -38,7 +39,7 @@ class LocalStream:
     """One call's answer from this replica's own server, as the ingress reads a Serve
     handle's streamed response (``__anext__``, iteration, ``cancel``)."""
 
-    def __init__(self, answer: AsyncIterator[HTTPStart | bytes]) -> None:
+    def __init__(self, answer: AsyncGenerator[HTTPStart | bytes, None]) -> None:
         self._answer = answer
 
     def __aiter__(self) -> LocalStream:
@@ -49,7 +50,7 @@ class LocalStream:
 
     def cancel(self) -> None:
         """Close the answer: the server tells vLLM's app the client went away."""
-        asyncio.ensure_future(self._answer.aclose())  # type: ignore[attr-defined]
+        asyncio.ensure_future(self._answer.aclose())
 
 
 class _Method:
