@@ -169,6 +169,23 @@ def server_options(cfg: ModelDeploymentConfig, name: str) -> dict[str, Any]:
     }
 
 
+def ingress_checks(config: AppConfig) -> dict[str, Any]:
+    """What the ingress checks requests against, wherever it runs (its own deployment, or
+    each model replica with ``routing: direct``): the API key, the limits, each model's
+    context length and the media it accepts, CORS origins, and LoRA adapters' base models
+    (served by their base's deployment)."""
+    return {
+        "api_key": config.resolved_api_key(),
+        "limits": config.limits.model_dump(),
+        "max_model_lens": {m.name: compiled_max_seq_len(m) for m in config.models},
+        "media_models": {
+            m.name: list(found) for m in config.models if (found := accepted_media(m))
+        },
+        "cors_allowed_origins": config.cors_allowed_origins,
+        "lora_bases": adapter_bases(config.models),
+    }
+
+
 def build_direct(config: AppConfig) -> Application:
     """``routing: direct``: the one model's replicas are the app's ingress
     (:mod:`rbln_ray.serve.direct`)."""
@@ -178,15 +195,7 @@ def build_direct(config: AppConfig) -> Application:
     # the routed app's ingress gives (a model at capacity), not Serve's default 503.
     options["backpressure_config"] = BackpressureConfig(status_code=429)
     deployment = serve.deployment(serve.ingress()(DirectServer)).options(**options)
-    return deployment.bind(
-        engine_config(cfg).model_dump(),
-        config.limits.model_dump(),
-        config.resolved_api_key(),
-        compiled_max_seq_len(cfg),
-        list(accepted_media(cfg)),
-        config.cors_allowed_origins,
-        adapter_bases(config.models),
-    )
+    return deployment.bind(engine_config(cfg).model_dump(), **ingress_checks(config))
 
 
 def build_server(
@@ -273,17 +282,9 @@ def build_app(args: dict[str, Any] | AppConfig | str) -> Application:
     ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
         **ingress_options(config.ingress)
     )
-    lens = {m.name: compiled_max_seq_len(m) for m in config.models}
-    media = {m.name: list(found) for m in config.models if (found := accepted_media(m))}
-    bases = adapter_bases(config.models)  # LoRA adapters, served by their base's deployment
     return ingress.bind(
         servers,
-        config.resolved_api_key(),
-        config.limits.model_dump(),
-        lens,
-        media,
-        config.cors_allowed_origins,
-        bases,
-        config.ingress.unhealthy_after_stall_s,
-        prefill_servers,
+        **ingress_checks(config),
+        stall_s=config.ingress.unhealthy_after_stall_s,
+        prefill_servers=prefill_servers,
     )

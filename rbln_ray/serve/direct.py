@@ -88,24 +88,25 @@ class DirectServer:
     async def __init__(
         self,
         cfg: dict[str, Any],
-        limits: dict[str, Any],
         api_key: str | None,
-        max_model_len: int | None,
-        media: list[str] | None,
+        limits: dict[str, Any],
+        max_model_lens: dict[str, int | None],
+        media_models: dict[str, list[str]],
         cors_allowed_origins: list[str],
         lora_bases: dict[str, str],
     ) -> None:
+        """``cfg`` for the engine; the rest as :class:`OpenAIIngress` takes them
+        (:func:`rbln_ray.serve.builder.ingress_checks`)."""
         from ray import serve
 
         self.server = await start_server(cfg, limits)
-        name = self.server.cfg.name
         self.ingress = OpenAIIngress.__new__(OpenAIIngress)
         self.ingress.configure(
-            {name: LocalServer(self.server)},
+            {self.server.cfg.name: LocalServer(self.server)},
             api_key,
             RequestLimits.model_validate(limits),
-            {name: max_model_len},
-            {name: media} if media else {},
+            max_model_lens,
+            media_models,
             serve.get_replica_context().app_name,
             cors_allowed_origins,
             lora_bases,

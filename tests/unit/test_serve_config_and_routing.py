@@ -441,10 +441,16 @@ def test_direct_routing_makes_the_model_replicas_the_ingress(tmp_path) -> None:
         {"CPU": 1},
         {"RBLN": 1, "CPU": 1},
     ]
-    cfg, limits, api_key, max_model_len, media, cors, bases = deployment.init_args
-    assert (cfg["name"], api_key, media, cors, bases) == ("m", "k", [], [], {})
-    assert max_model_len == builder.compiled_max_seq_len(config.models[0])
-    assert limits == config.limits.model_dump()
+    (cfg,) = deployment.init_args
+    assert cfg["name"] == "m"
+    assert deployment.init_kwargs == {
+        "api_key": "k",
+        "limits": config.limits.model_dump(),
+        "max_model_lens": {"m": builder.compiled_max_seq_len(config.models[0])},
+        "media_models": {},
+        "cors_allowed_origins": [],
+        "lora_bases": {},
+    }
 
     wrong = {
         "serves one model per app": {"models": [model, {**model, "name": "n"}]},
