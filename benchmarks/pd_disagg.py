@@ -91,7 +91,8 @@ def goals(co: dict, pd: dict) -> dict[str, Any]:
         out["pd_over_co"] = {"ratio": ratio, "goal": GOAL_CAPACITY_RATIO,
                              "met": ratio >= GOAL_CAPACITY_RATIO}  # fmt: skip
     if cap_co:
-        near = min((r for r in co if r in pd), key=lambda r: abs(float(r) - cap_co), default=None)
+        # pd's grid need not hold co's rates: its rate nearest co's capacity
+        near = min(pd, key=lambda r: abs(float(r) - cap_co), default=None)
         tpot = (pd.get(near) or {}).get("tpot_ms") or {}
         if near is not None and tpot.get("p50"):
             spread = tpot["p99"] / tpot["p50"]
@@ -134,14 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke: 1 low rate, 60 s, one split")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="prefill")
-    p.add_argument("--splits", default="1:3,2:2", help="P:D splits, comma list")
-    p.add_argument("--rates-co", default="0.2,0.4,0.6,0.8", help="requests/s, comma list")
-    p.add_argument("--rates-pd", default="0.2,0.4,0.6", help="requests/s, comma list")
-    p.add_argument("--duration", type=float, default=150, help="seconds of load per rate")
+    p.add_argument("--splits", default="2:2", help="P:D splits, comma list")
+    p.add_argument("--rates-co", default="0.15,0.25,0.35", help="requests/s, comma list")
+    p.add_argument("--rates-pd", default="0.3,0.45,0.6,0.75", help="requests/s, comma list")
+    p.add_argument("--duration", type=float, default=200, help="seconds of load per rate")
     p.add_argument("--warmup", type=float, default=30, help="first seconds not measured")
     p.add_argument("--replicas", type=int, default=4, help="devices: co replicas, or P + D")
     p.add_argument("--shape", default="llama-3-8b", help="timing-mode device model")
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8, help="compiled batch, both systems")
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--kv-blocks", type=int, default=16, help="RBLN KV blocks per device")
     p.add_argument("--host-gib", type=float, default=8.0, help="pd: the node's host KV tier")
