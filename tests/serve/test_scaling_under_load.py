@@ -57,6 +57,10 @@ REDEPLOY_CLIENTS = 4
 # Two replica starts one after the other (the second needs the old replica's device), each
 # ~80 s alone on this 2-core machine and up to ~3x that beside another test file: a hang guard.
 REDEPLOY_DEADLINE_S = 780
+# A client's read timeout. Serve's rolling update stops a one-replica deployment's old replica
+# before its replacement starts, and a request that arrives in between waits for the new one
+# (CI once waited over 300 s under load): only a request that outlives the redeploy is lost.
+REQUEST_TIMEOUT_S = REDEPLOY_DEADLINE_S
 # One replica start under load: ~80 s alone, but here beside 16 clients keeping the first
 # replica's engine busy on one core and another test file on the other (CI once took > 300 s):
 # a hang guard, checked only after Serve has decided to scale (a separate, short wait).
@@ -184,7 +188,7 @@ class Load:
         return [o for o in self.outcomes if o != 200]
 
     async def _main(self) -> None:
-        async with httpx.AsyncClient(timeout=300) as client:
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
             await asyncio.gather(*(self._client(client, i) for i in range(self.clients)))
 
     async def _client(self, client: httpx.AsyncClient, i: int) -> None:
