@@ -34,6 +34,11 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("RBLN_RAY_DEVICE", "emulated")
+# The engine core in this process (vLLM's InprocClient), not in a spawned one: the plugin's
+# worker and model runner run the same either way, and a spawned core would import vLLM
+# again for every engine of a run list, on a 2-core machine whose suite is bound by CPU.
+# The spawned core is what AsyncLLM always uses: the Serve, executor and vllm serve tests.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def _logprobs(lp):
@@ -183,7 +188,7 @@ def run(llm, spec: dict) -> dict:
     return result
 
 
-# Marks the start of each run's part of stderr (the engine process writes there too), so a
+# Marks the start of each run's part of stderr (the engine logs there too), so a
 # failed run's root cause can be shown with it: "RUN_MARK<index>".
 RUN_MARK = "=== rbln_llm_run: run "
 
