@@ -32,53 +32,34 @@ SERIAL_GROUPS = {
     "tests/serve/test_zoo_serve.py": SEVEN_MODEL_APPS,
 }
 
-# Seconds each unit of work took in an earlier `make test` on this 2-core machine (2 workers;
-# eab8825, whose run prints this table at its end, "seconds per unit of work"), for units
-# over 45 s; only the order depends on them (:func:`run_order`).
+# Seconds each unit of work took in an earlier `make test` on this 2-core machine (2 workers,
+# a fresh clone with an empty compile cache, as CI runs it: f4b2d28, whose run prints this
+# table at its end, "seconds per unit of work"), for units over 45 s; only the order depends
+# on them. xdist hands units out longest first, so a long one never starts last while the
+# other worker idles (xdist's default order is most tests first); units not listed follow in
+# file order.
 UNIT_SECONDS = {
-    MULTINODE: 1786,
-    SEVEN_MODEL_APPS: 1624,
-    "tests/reliability": 1080,
-    "tests/executor/test_ray_executor.py": 792,
-    "tests/pipeline/test_pipeline.py": 736,
-    "tests/serve/test_one_replica.py": 301,
-    "tests/serve/test_cli_serve.py": 289,
-    "tests/serve/test_prefix_affinity.py": 259,
-    "tests/vllm_plugin/test_zoo_greedy.py": 211,
-    "tests/vllm_plugin/test_vision_language.py": 189,
-    "tests/vllm_plugin/test_spec_decode.py": 186,
-    "tests/vllm_plugin/test_prefix_caching.py": 144,
-    "tests/vllm_plugin/test_llm_greedy.py": 129,
-    "tests/emulator/test_optimum_e2e.py": 96,
-    "tests/test_foundation.py": 94,
-    "tests/emulator/test_rebel_node.py": 88,
-    "tests/serve/test_direct_routing.py": 86,
-    "tests/vllm_plugin/test_embeddings.py": 75,
-    "tests/vllm_plugin/test_vllm_serve.py": 75,
-    "tests/peer/test_vllm_rbln.py": 69,
-    "tests/vllm_plugin/test_host_kv_tier.py": 68,
-    "tests/vllm_plugin/test_speech.py": 48,
+    MULTINODE: 2554,
+    SEVEN_MODEL_APPS: 1359,
+    "tests/reliability": 884,
+    "tests/pipeline/test_pipeline.py": 446,
+    "tests/executor/test_ray_executor.py": 423,
+    "tests/serve/test_prefix_affinity.py": 377,
+    "tests/serve/test_cli_serve.py": 328,
+    "tests/serve/test_one_replica.py": 223,
+    "tests/vllm_plugin/test_spec_decode.py": 199,
+    "tests/vllm_plugin/test_vision_language.py": 177,
+    "tests/vllm_plugin/test_prefix_caching.py": 175,
+    "tests/vllm_plugin/test_zoo_greedy.py": 167,
+    "tests/vllm_plugin/test_llm_greedy.py": 139,
+    "tests/emulator/test_optimum_e2e.py": 102,
+    "tests/test_foundation.py": 102,
+    "tests/vllm_plugin/test_vllm_serve.py": 95,
+    "tests/peer/test_vllm_rbln.py": 80,
+    "tests/vllm_plugin/test_embeddings.py": 79,
+    "tests/vllm_plugin/test_lora_quant_llm.py": 52,
+    "tests/vllm_plugin/test_host_kv_tier.py": 47,
 }
-# Units that start a Serve app, a Ray executor's actors or pipeline stages: a dozen or more
-# processes importing vLLM at once. Beside one of them, the multi-node tests' raylets missed
-# Ray's hard-coded 30 s window to register (`ray up`'s workers never joined), and a
-# redeploy's replica starts outlasted its clients' read timeout.
-STARTS_MANY_PROCESSES = ("tests/serve", "tests/reliability", "tests/executor", "tests/pipeline")
-
-
-def run_order(unit: str) -> tuple[int, float]:
-    """Where a unit goes in the hand-out order: the multi-node tests first, beside them the
-    units that run one engine at a time (together about as long), then the rest; longest
-    first within each, so that a long unit never starts last while the other worker idles
-    (xdist's default order is most tests first); units not in :data:`UNIT_SECONDS` follow
-    in file order."""
-    if unit == MULTINODE:
-        rank = 0
-    elif unit.startswith(STARTS_MANY_PROCESSES):
-        rank = 2
-    else:
-        rank = 1
-    return rank, -UNIT_SECONDS.get(unit, 0)
 
 
 def unit_of(nodeid: str) -> str:
@@ -88,12 +69,12 @@ def unit_of(nodeid: str) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The fast tier's marker on tests/unit (``pytest -m fast``); units in
-    :func:`run_order` (a stable sort: tests keep their order within a unit)."""
+    """The fast tier's marker on tests/unit (``pytest -m fast``); longest units first (a
+    stable sort: tests keep their order within a unit)."""
     for item in items:
         if item.nodeid.startswith("tests/unit/"):
             item.add_marker(pytest.mark.fast)
-    items.sort(key=lambda item: run_order(unit_of(item.nodeid)))
+    items.sort(key=lambda item: -UNIT_SECONDS.get(unit_of(item.nodeid), 0))
 
 
 UNIT_TOTALS: dict[str, float] = {}
@@ -125,7 +106,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         def _split_scope(self, nodeid: str) -> str:
             return unit_of(nodeid)
 
-    config.option.loadscopereorder = False  # keep run_order's order
+    config.option.loadscopereorder = False  # keep the longest-first order
     return FileScheduling(config, log)
 
 

@@ -57,9 +57,9 @@ def run_script(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess,
     return proc, result
 
 
-# The bring-up's deadline: on a loaded 2-core host the app took over 600 s to come up (seen
-# in a fresh-clone run beside the seven-model apps, before tests/conftest.py's run_order kept
-# those off the multi-node tests; 220 s on a quiet one).
+# The bring-up's deadline: its replicas start while the other worker starts the seven-model
+# apps (tests/conftest.py hands both out first), and on a loaded 2-core host the app took over
+# 600 s to come up (seen in a fresh-clone run; 220 s on a quiet one).
 BRING_UP_S = 1200
 
 
