@@ -44,7 +44,14 @@ def multinode_cluster(
     os.environ.update(env or {})
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "resources": {"RBLN": 0}, **(head_args or {})},
+        # no dashboard unless asked for (head_args): no test of these clusters reads Ray's
+        # state API, and its processes would take CPU from the raylets and engines
+        head_node_args={
+            "num_cpus": 1,
+            "resources": {"RBLN": 0},
+            "include_dashboard": False,
+            **(head_args or {}),
+        },
     )
     for _ in range(nodes):
         cluster.add_node(num_cpus=2, resources={"RBLN": devices_per_node})

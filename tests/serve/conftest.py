@@ -30,6 +30,13 @@ LORA_ADAPTERS = {
 }
 
 
+# The per-test timeout of modules whose fixture starts an app of many models: pytest's (900 s)
+# covers a module fixture's setup in the module's first test, and in one CI run the
+# seven-model app, started beside the multi-node tests, took 880 s to come up (all its
+# replicas started at once and became ready together: slow, not stuck).
+MANY_MODEL_APP_TIMEOUT_S = 1800
+
+
 # What start_app changed in this process's environment, and the values stop_app puts back.
 _saved_env: dict[str, str | None] = {}
 
@@ -73,7 +80,11 @@ def start_app(config: dict, port: int, model_dir: Path, devices: int = 4) -> Run
             num_cpus=max(8, 2 * devices),
             resources={"RBLN": devices},
             log_to_driver=False,
-            _system_config=FAST_EXPORT,
+            # No dashboard (no test of these apps reads Ray's state API) and no idle workers
+            # started ahead of the replicas: on a 2-core host beside other tests, every
+            # process a start spares is CPU the replicas' vLLM imports get.
+            include_dashboard=False,
+            _system_config={**FAST_EXPORT, "prestart_worker_first_driver": False},
         )
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(app_config), name=APP_NAME, route_prefix="/")
@@ -135,12 +146,24 @@ def demo_app() -> Iterator[RunningApp]:
             },
             {"name": "embed", "model": str(compiled_encoder()), "num_replicas": 1},
             {"name": "vision", "model": str(compiled_vlm()), "num_replicas": 1},
-            {"name": "qwen-vl", "model": str(compiled_vlm("qwen2_vl")), "num_replicas": 1},
+            # These two drive their device from the replica's engine process (two processes
+            # a model instead of three, so the app starts sooner on a loaded host): Qwen2-VL's
+            # images take LLaVA's path to the Ray worker, and drafts verified by a Ray
+            # worker are tests/vllm_plugin/test_spec_decode.py's.
+            {
+                "name": "qwen-vl",
+                "model": str(compiled_vlm("qwen2_vl")),
+                "num_replicas": 1,
+                "engine_kwargs": {"distributed_executor_backend": "uni"},
+            },
             {
                 "name": "spec",
                 "model": str(demo_compiled()[1]),  # the demo model with verify graphs (k=4)
                 "num_replicas": 1,
-                "engine_kwargs": {"speculative_config": SPEC_NGRAM},
+                "engine_kwargs": {
+                    "speculative_config": SPEC_NGRAM,
+                    "distributed_executor_backend": "uni",
+                },
             },
         ],
     }

@@ -10,10 +10,10 @@ import httpx
 import pytest
 
 from tests.helpers import hf_greedy, hf_greedy_merged, run_python
-from tests.serve.conftest import API_KEY, LORA_ADAPTERS, RunningApp
+from tests.serve.conftest import API_KEY, LORA_ADAPTERS, MANY_MODEL_APP_TIMEOUT_S, RunningApp
 from tests.vision import image_chat
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(MANY_MODEL_APP_TIMEOUT_S)]
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

@@ -29,11 +29,17 @@ import pytest
 
 from rbln_ray.families.registry import POOLING_DECODERS
 from tests.helpers import compiled_model, hf_greedy
-from tests.serve.conftest import RunningApp, free_port, start_app, stop_app
+from tests.serve.conftest import (
+    MANY_MODEL_APP_TIMEOUT_S,
+    RunningApp,
+    free_port,
+    start_app,
+    stop_app,
+)
 from tests.speech import MAX_TOKENS as SPEECH_MAX_TOKENS
 from tests.speech import PROMPT, asr_reference, chunks, clips, reference
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(MANY_MODEL_APP_TIMEOUT_S)]
 
 FAMILIES = {
     "gemma2": "sliding window (hybrid)",
