@@ -296,22 +296,12 @@ def bring_up(args: argparse.Namespace, base: Path, env: dict, result: dict) -> N
     config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
     log(f"serve config for this cluster: {config_path}")
 
-    def agent_ports() -> list[str]:
-        """Every port of a node's two Python agents, picked here: a raylet gives an agent a
-        fixed few seconds to report a port it chose itself (Ray 2.60's
-        ``NodeManager::WaitForDashboardAgentPorts``, not configurable) and then aborts; on a
-        busy host the dashboard agent's imports alone take longer."""
-        return [
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--dashboard-agent-grpc-port={free_port()}",
-            f"--metrics-export-port={free_port()}",
-            f"--runtime-env-agent-port={free_port()}",
-        ]
-
     common = [
         "--node-ip-address=127.0.0.1",
         f"--object-store-memory={args.object_store_mb * 2**20}",
         "--disable-usage-stats",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
     ]
     ray = str(BIN / "ray")
     # Head: no RBLN devices, so replicas and workers land on the worker raylets.
@@ -319,15 +309,16 @@ def bring_up(args: argparse.Namespace, base: Path, env: dict, result: dict) -> N
         [ray, "start", "--head", f"--port={gcs_port}", f"--temp-dir={base / 'head'}",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
          f"--ray-client-server-port={client_port}", f"--num-cpus={args.head_cpus}",
-         "--resources", json.dumps({"RBLN": 0}), *common, *agent_ports()],
+         "--resources", json.dumps({"RBLN": 0}), *common],
         env, log_file,
     )  # fmt: skip
     for i in range(args.workers):
+        common[-2:] = [f"--dashboard-agent-listen-port={free_port()}",
+                       f"--metrics-export-port={free_port()}"]  # fmt: skip
         run(
             [ray, "start", f"--address={gcs}", f"--temp-dir={base / f'worker{i}'}",
              f"--num-cpus={args.cpus_per_worker}",
-             "--resources", json.dumps({"RBLN": args.rbln_per_worker}), *common,
-             *agent_ports()],
+             "--resources", json.dumps({"RBLN": args.rbln_per_worker}), *common],
             env, log_file,
         )  # fmt: skip
     result["nodes"] = wait_nodes(dashboard, 1 + args.workers, deadline)
