@@ -30,9 +30,14 @@ LORA_ADAPTERS = {
 }
 
 
+# A model's engine_kwargs for a replica that drives its device itself (`vllm serve
+# --distributed-executor-backend uni`): two processes a model (Serve replica, engine core)
+# instead of three (and a Ray worker actor), so an app of many models starts sooner on 2 cores.
+IN_PROCESS = {"distributed_executor_backend": "uni"}
+
 # The per-test timeout of modules whose fixture starts an app of many models: pytest's (900 s)
 # covers a module fixture's setup in the module's first test, and in one CI run the
-# seven-model app, started beside the multi-node tests, took 880 s to come up (all its
+# seven-model app, started beside the multi-node tests, came up just as it ran out (all its
 # replicas started at once and became ready together: slow, not stuck).
 MANY_MODEL_APP_TIMEOUT_S = 1800
 
@@ -146,24 +151,19 @@ def demo_app() -> Iterator[RunningApp]:
             },
             {"name": "embed", "model": str(compiled_encoder()), "num_replicas": 1},
             {"name": "vision", "model": str(compiled_vlm()), "num_replicas": 1},
-            # These two drive their device from the replica's engine process (two processes
-            # a model instead of three, so the app starts sooner on a loaded host): Qwen2-VL's
-            # images take LLaVA's path to the Ray worker, and drafts verified by a Ray
-            # worker are tests/vllm_plugin/test_spec_decode.py's.
+            # These two run IN_PROCESS: images reaching a Ray worker are LLaVA's (above), and
+            # drafts verified by a Ray worker are tests/vllm_plugin/test_spec_decode.py's.
             {
                 "name": "qwen-vl",
                 "model": str(compiled_vlm("qwen2_vl")),
                 "num_replicas": 1,
-                "engine_kwargs": {"distributed_executor_backend": "uni"},
+                "engine_kwargs": dict(IN_PROCESS),
             },
             {
                 "name": "spec",
                 "model": str(demo_compiled()[1]),  # the demo model with verify graphs (k=4)
                 "num_replicas": 1,
-                "engine_kwargs": {
-                    "speculative_config": SPEC_NGRAM,
-                    "distributed_executor_backend": "uni",
-                },
+                "engine_kwargs": {"speculative_config": SPEC_NGRAM, **IN_PROCESS},
             },
         ],
     }

@@ -40,7 +40,7 @@ from rbln_ray.models import build_tiny_model
 from rbln_ray.serve.http_call import HTTPCall
 from tests.helpers import compiled_model, hf_greedy
 from tests.ray_cluster import multinode_cluster
-from tests.serve.conftest import free_port
+from tests.serve.conftest import IN_PROCESS, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 
@@ -66,7 +66,6 @@ REQUEST_TIMEOUT_S = REDEPLOY_DEADLINE_S
 # a hang guard, checked only after Serve has decided to scale (a separate, short wait).
 SCALE_UP_START_DEADLINE_S = 600
 PD = {"prefill_replicas": 1, "decode_replicas": 1}
-IN_PROCESS = {"distributed_executor_backend": "uni"}
 AUTOSCALING = {
     "min_replicas": 1,
     "max_replicas": 3,

@@ -30,6 +30,7 @@ import pytest
 from rbln_ray.families.registry import POOLING_DECODERS
 from tests.helpers import compiled_model, hf_greedy
 from tests.serve.conftest import (
+    IN_PROCESS,
     MANY_MODEL_APP_TIMEOUT_S,
     RunningApp,
     free_port,
@@ -49,10 +50,6 @@ FAMILIES = {
 }
 # optimum-rbln compiles Qwen3.5 with flash attention only (its registry record says why)
 FAMILY_COMPILE = {"qwen3_5_text": {"attn_impl": "flash_attn"}}
-# Every replica drives its device itself (`vllm serve --distributed-executor-backend uni`):
-# two processes a model instead of three, so that this many models fit beside the
-# multi-node tests.
-IN_PROCESS = {"distributed_executor_backend": "uni"}
 # Python source, as the tiny models' tokenizer was trained on: well over the 64-token window.
 PROMPTS = [
     "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n"
