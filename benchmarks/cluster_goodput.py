@@ -67,12 +67,12 @@ from benchmarks.loadgen import wait_ready
 from benchmarks.peer_env import peer_env, peer_python
 from benchmarks.sessions import (
     TextSource,
-    WorkloadSpec,
     build_workload,
     reuse_bound,
     run_sessions,
     summarise,
 )
+from rbln_ray.planning.fleet import SessionSpec
 
 GOAL_GOODPUT_RATIO = 1.5
 GOAL_TTFT_RATIO = 3.0
@@ -398,7 +398,7 @@ def run_rates(
     source: TextSource,
     args: argparse.Namespace,
     rates: list[float] | None = None,
-    spec_of: Callable[[float, int], WorkloadSpec] | None = None,
+    spec_of: Callable[[float, int], SessionSpec] | None = None,
     block_size: int | None = None,
 ) -> dict[str, Any]:
     """Every rate of ``system``'s grid (``rates``, default ``--rates[-<system>]``), each
@@ -530,8 +530,8 @@ def ttft_over_time(sessions: list, duration: float, bucket: float = 15.0) -> lis
     return out
 
 
-def workload_spec(args: argparse.Namespace, rate: float, seed: int) -> WorkloadSpec:
-    return WorkloadSpec(
+def workload_spec(args: argparse.Namespace, rate: float, seed: int) -> SessionSpec:
+    return SessionSpec(
         rate=rate,
         duration_s=args.duration,
         seed=seed,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rbln_ray.common.ports import free_port  # noqa: F401  (benchmarks use common.free_port)
+from rbln_ray.common.stats import percentile, summary  # noqa: F401  (common.summary, ...)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -55,27 +56,6 @@ def run_json(
             f"--- stderr\n{proc.stderr[-6000:]}"
         )
     return json.loads(lines[-1][len("RESULT ") :])
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
-def summary(values: list[float], scale: float = 1.0) -> dict[str, float | None]:
-    """mean / p50 / p99 (vllm bench serve reports these) and max, scaled (e.g. 1e3 for ms)."""
-    if not values:
-        return {"mean": None, "p50": None, "p99": None, "max": None}
-    return {
-        "mean": statistics.fmean(values) * scale,
-        "p50": percentile(values, 50) * scale,
-        "p99": percentile(values, 99) * scale,
-        "max": max(values) * scale,
-    }
 
 
 def host_overhead(calls: list[dict[str, Any]], batch: int | None = None) -> dict[str, Any]:

@@ -39,6 +39,7 @@ import time
 from typing import Any
 
 from benchmarks import common
+from rbln_ray.common.stats import percentile
 from rbln_ray.planning.fleet import (
     DEFAULT_MODE,
     THROUGHPUT_MODE,
@@ -52,7 +53,7 @@ from rbln_ray.planning.fleet import (
     summarise,
 )
 from rbln_ray.planning.fleet.ingress import replicas_needed
-from rbln_ray.planning.fleet.metrics import percentile, stickiness
+from rbln_ray.planning.fleet.metrics import stickiness
 from rbln_ray.serve.fleet_router import SimulatedRouter, block_keys
 from rbln_ray.serve.kv_events import STATS_BLOCKS, report_keys
 

@@ -51,7 +51,8 @@ from benchmarks.cluster_goodput import (
     rbln_ray_cluster,
     run_rates,
 )
-from benchmarks.sessions import TextSource, WorkloadSpec
+from benchmarks.sessions import TextSource
+from rbln_ray.planning.fleet import SessionSpec
 
 GOAL_CAPACITY_RATIO = 1.5
 GOAL_TPOT_SPREAD = 1.25
@@ -61,10 +62,10 @@ WORKLOADS = {  # (prompt tokens, output tokens), each drawn uniformly per reques
 }
 
 
-def workload_spec(args: argparse.Namespace, rate: float, seed: int) -> WorkloadSpec:
+def workload_spec(args: argparse.Namespace, rate: float, seed: int) -> SessionSpec:
     prompt, output = WORKLOADS[args.workload]
     # single turns: think_s is never waited
-    return WorkloadSpec(rate=rate, duration_s=args.duration, seed=seed, tenants=1, system_len=0,
+    return SessionSpec(rate=rate, duration_s=args.duration, seed=seed, tenants=1, system_len=0,
                         rag_fraction=0.0, turns=(1, 1), user_len=prompt, output_len=output,
                         think_s=1.0)  # fmt: skip
 
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     with rbln_ray_cluster(args) as port:
         print(f"== co: {args.replicas} co-located replicas", flush=True)
 
-        def spec_of(rate: float, i: int) -> WorkloadSpec:
+        def spec_of(rate: float, i: int) -> SessionSpec:
             return workload_spec(args, rate, seed=200 + i)
 
         # cluster_goodput's (a): cache-aware

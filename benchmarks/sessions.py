@@ -1,20 +1,13 @@
 """Multi-turn chat and RAG sessions for serving benchmarks: an open-loop workload and its client.
 
-The workload (:func:`build_workload`, deterministic for a seed):
-
-- **tenants**, each with a ``system_len``-token system prompt; a session's tenant is drawn
-  Zipf-like (``zipf_s``), so a few tenants are hot;
-- **chat sessions** of ``turns`` turns (4-6 by default): each turn appends ``user_len``
-  (50-300) tokens of user text to the conversation, and the answer of the previous turn;
-- **RAG sessions** (``rag_fraction`` of sessions, 1-2 turns): the first turn carries one of
-  ``num_docs`` ``doc_len``-token documents (also drawn Zipf-like) before its question;
-- sessions **arrive as a Poisson process** at ``rate / mean turns per session`` (so requests
-  arrive at about ``rate`` per second); a session's next turn is sent when the previous one
-  has finished and the user has thought for an exponential ``think_s``; every turn asks for
-  ``output_len`` (32-128) tokens with ``ignore_eos``.
+The workload (:func:`build_workload`, deterministic for a seed) is
+:mod:`rbln_ray.planning.fleet.workload`'s sessions (tenants' system prompts, chat and RAG
+sessions, Poisson arrivals, think times: the draws are described there, and the fleet
+simulation replays the same ones in token space), rendered as text here.
 
 Text is real text (windows of the local Python standard library, tokenized with the served
-model's tokenizer, so lengths are in that tokenizer's tokens). The previous answer a turn
+model's tokenizer, so lengths are in that tokenizer's tokens); every turn asks for its
+``max_tokens`` with ``ignore_eos``. The previous answer a turn
 appends is the workload's own text of the answer's length, not what the server generated,
 so every system sees exactly the same prompts (in the emulator's timing mode the generated
 tokens are garbage anyway). Each request carries its session in an ``x-session-id`` header.
@@ -28,36 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from benchmarks.common import summary
-
-
-@dataclass(frozen=True)
-class WorkloadSpec:
-    rate: float  # requests per second (sessions arrive at rate / mean turns)
-    duration_s: float  # sessions arrive during this long
-    seed: int = 0
-    tenants: int = 8
-    system_len: int = 1024
-    zipf_s: float = 1.0
-    num_docs: int = 8
-    doc_len: int = 2048
-    rag_fraction: float = 0.25
-    turns: tuple[int, int] = (4, 6)
-    rag_turns: tuple[int, int] = (1, 2)
-    user_len: tuple[int, int] = (50, 300)
-    rag_question_len: tuple[int, int] = (50, 150)
-    output_len: tuple[int, int] = (32, 128)
-    think_s: float = 3.0
-
-    def mean_turns(self) -> float:
-        chat = sum(self.turns) / 2
-        rag = sum(self.rag_turns) / 2
-        return (1 - self.rag_fraction) * chat + self.rag_fraction * rag
+from rbln_ray.planning.fleet.workload import SessionSpec, Span, build_sessions
 
 
 @dataclass
@@ -94,54 +63,32 @@ class TextSource:
         self.tokenizer = tokenizer
         self.ids = tokenizer.encode("\n".join(text), add_special_tokens=False)
 
-    def text(self, n: int, rng: random.Random) -> str:
-        start = rng.randrange(0, len(self.ids) - n - 1)
+    def text(self, span: Span) -> str:
+        """The text of a drawn window: ``(start, length)`` in the source's tokens."""
+        start, n = span
         return self.tokenizer.decode(self.ids[start : start + n])
 
 
-def _zipf(n: int, s: float, rng: random.Random) -> int:
-    weights = [1 / (i + 1) ** s for i in range(n)]
-    return rng.choices(range(n), weights)[0]
-
-
-def build_workload(source: TextSource, spec: WorkloadSpec, tag: str) -> list[Session]:
-    """The sessions of one run (``tag`` makes session ids unique across runs)."""
-    fixed = random.Random(1234)  # tenants and documents are the same in every run
+def build_workload(source: TextSource, spec: SessionSpec, tag: str) -> list[Session]:
+    """The sessions of one run (``tag`` makes session ids unique across runs): the planner's
+    draws (:func:`build_sessions`, which the fleet simulation replays in token space) over
+    this source's tokens, as text."""
+    drawn = build_sessions(replace(spec, corpus_tokens=len(source.ids)), tag)
     systems = [
         f"You are the assistant of tenant {t}. Policies and reference code follow.\n"
-        + source.text(spec.system_len, fixed)
-        for t in range(spec.tenants)
+        + source.text(span)
+        for t, span in enumerate(drawn.systems)
     ]
-    docs = [source.text(spec.doc_len, fixed) for _ in range(spec.num_docs)]
-    rng = random.Random(spec.seed)
-    session_rate = spec.rate / spec.mean_turns()
-    sessions, t, i = [], 0.0, 0
-    while True:
-        t += rng.expovariate(session_rate)
-        if t >= spec.duration_s:
-            break
-        rag = rng.random() < spec.rag_fraction
-        lo, hi = spec.rag_turns if rag else spec.turns
-        doc = _zipf(spec.num_docs, spec.zipf_s, rng) if rag else None
+    docs = [source.text(span) for span in drawn.docs]
+    sessions = []
+    for s in drawn.sessions:
         turns = []
-        for k in range(rng.randint(lo, hi)):
-            q_lo, q_hi = spec.rag_question_len if rag else spec.user_len
-            user = source.text(rng.randint(q_lo, q_hi), rng)
-            if doc is not None and k == 0:
-                user = f"Document:\n{docs[doc]}\n\nQuestion: {user}"
-            out = rng.randint(*spec.output_len)
-            turns.append(Turn(user, source.text(out, rng), out))
-        sessions.append(
-            Session(
-                sid=f"{tag}-s{i}",
-                start_s=t,
-                system=systems[_zipf(spec.tenants, spec.zipf_s, rng)],
-                turns=turns,
-                think_s=[rng.expovariate(1 / spec.think_s) for _ in turns],
-                doc=doc,
-            )
-        )
-        i += 1
+        for k, turn in enumerate(s.turns):
+            user = source.text(turn.user)
+            if s.doc is not None and k == 0:
+                user = f"Document:\n{docs[s.doc]}\n\nQuestion: {user}"
+            turns.append(Turn(user, source.text(turn.answer), turn.max_tokens))
+        sessions.append(Session(s.sid, s.start_s, systems[s.tenant], turns, s.think_s, s.doc))
     return sessions
 
 

@@ -1,6 +1,6 @@
-"""The fleet simulation's pieces (rbln_ray/planning/fleet): its clock, its copy of
-BENCHMARKS 15's workload, the replica model against the cost model, the figures BENCHMARKS
-compares with the measured run, and the real router driven through the harness."""
+"""The fleet simulation's pieces (rbln_ray/planning/fleet): its clock, the replica model
+against the cost model, the figures BENCHMARKS compares with the measured run, and the real
+router driven through the harness."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from rbln_ray.planning.fleet import (
 from rbln_ray.planning.fleet.ingress import DEFAULT_MODE, replicas_needed
 from rbln_ray.planning.fleet.replica import Replica
 from rbln_ray.planning.fleet.sim import FleetRun
-from rbln_ray.planning.fleet.workload import CORPUS_TOKENS
 
 CFG = ReplicaConfig()
 HOST = CFG.host_s_per_step
@@ -44,46 +43,6 @@ def test_events_run_in_time_order_then_in_the_order_scheduled() -> None:
     queue.run()
     assert seen[-1] == "c" and queue.now == 2.0 and queue.processed == 5
     assert not EventQueue()  # an empty queue is falsy: callers compare with None
-
-
-# ------------------------------------------------------------------ the workload
-def span(window: tuple[int, int]) -> str:
-    return "{}:{}".format(*window)
-
-
-class _Source:
-    """A TextSource of CORPUS_TOKENS tokens whose text names its window."""
-
-    ids = range(CORPUS_TOKENS)
-
-    def text(self, n: int, rng: random.Random) -> str:
-        start = rng.randrange(0, len(self.ids) - n - 1)
-        return f"{start}:{n}"
-
-
-def test_sessions_are_benchmarks_15s_draw_for_draw() -> None:
-    from benchmarks.sessions import WorkloadSpec, build_workload
-
-    for seed, rate in ((100, 1.0), (103, 1.4375), (7, 20.0)):
-        real = build_workload(
-            _Source(), WorkloadSpec(rate=rate, duration_s=120, seed=seed, tenants=32,
-                                    num_docs=32), "t"
-        )  # fmt: skip
-        mine = build_sessions(
-            SessionSpec(rate=rate, duration_s=120, seed=seed, tenants=32, num_docs=32), "t"
-        )
-        assert len(mine.sessions) == len(real) > 0
-        for a, b in zip(mine.sessions, real, strict=True):
-            assert (a.sid, a.start_s, a.think_s, a.doc) == (b.sid, b.start_s, b.think_s, b.doc)
-            assert b.system.endswith("\n" + span(mine.systems[a.tenant]))
-            assert b.system.startswith(f"You are the assistant of tenant {a.tenant}.")
-            for k, (x, y) in enumerate(zip(a.turns, b.turns, strict=True)):
-                user = span(x.user)
-                if a.doc is not None and k == 0:
-                    user = f"Document:\n{span(mine.docs[a.doc])}\n\nQuestion: {user}"
-                assert (user, span(x.answer), x.max_tokens) == (
-                    y.user, y.answer, y.max_tokens,
-                )  # fmt: skip
 
 
 # ------------------------------------------------------------------ the replica model

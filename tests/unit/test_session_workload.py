@@ -3,17 +3,21 @@ built tokenizer and hand-made request records."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import pytest
 
 from benchmarks.sessions import (
     Session,
     TextSource,
     Turn,
-    WorkloadSpec,
     build_workload,
     reuse_bound,
     summarise,
 )
+from rbln_ray.planning.fleet import SessionSpec
+from rbln_ray.planning.fleet.workload import CORPUS_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +30,7 @@ def source() -> TextSource:
 
 
 def test_sessions_repeat_tenant_prompts_and_documents(source: TextSource) -> None:
-    spec = WorkloadSpec(rate=2.0, duration_s=120, seed=3, tenants=3, num_docs=2)
+    spec = SessionSpec(rate=2.0, duration_s=120, seed=3, tenants=3, num_docs=2)
     sessions = build_workload(source, spec, tag="t")
     again = build_workload(source, spec, tag="t")
     assert [(s.sid, s.start_s, s.turns) for s in sessions] == [
@@ -53,11 +57,43 @@ def test_sessions_repeat_tenant_prompts_and_documents(source: TextSource) -> Non
                for t in s.turns)  # fmt: skip
     # another rate's run keeps the tenants and documents (so caches could carry over) but not
     # the sessions' ids
-    other = build_workload(
-        source, WorkloadSpec(rate=1.0, duration_s=60, tenants=3, num_docs=2), "u"
-    )
+    other = build_workload(source, SessionSpec(rate=1.0, duration_s=60, tenants=3, num_docs=2), "u")
     assert {s.system for s in other} <= systems
     assert not {s.sid for s in other} & {s.sid for s in sessions}
+
+
+class _SpanSource(TextSource):
+    """A source of CORPUS_TOKENS tokens whose text names its window."""
+
+    def __init__(self) -> None:
+        self.ids = range(CORPUS_TOKENS)  # type: ignore[assignment]
+
+    def text(self, span: tuple[int, int]) -> str:
+        return "{}:{}".format(*span)
+
+
+@pytest.mark.parametrize(
+    ("seed", "rate", "sessions", "digest"),
+    [(100, 1.0, 28, "5ee71eefe7191ef1"), (103, 1.4375, 36, "07881b2bdb908aad")],
+)
+def test_the_committed_runs_sessions_are_drawn_unchanged(
+    seed: int, rate: float, sessions: int, digest: str
+) -> None:
+    """The sessions of BENCHMARKS 15's and 20's runs (32 tenants and documents), as the
+    benchmark's own draws made them when those runs were measured (``benchmarks/sessions.py``
+    of efa0c16, before the draws moved to ``rbln_ray.planning.fleet.workload``): a change of
+    the draws' order or arithmetic would make new runs incomparable with the committed ones."""
+    spec = SessionSpec(rate=rate, duration_s=120, seed=seed, tenants=32, num_docs=32)
+    drawn = build_workload(_SpanSource(), spec, "t")
+    rows = [
+        (s.sid, s.start_s, s.system, [(t.user, t.answer, t.max_tokens) for t in s.turns],
+         s.think_s, s.doc)
+        for s in drawn
+    ]  # fmt: skip
+    assert len(drawn) == sessions
+    assert hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16] == digest
+    rag = next(s for s in drawn if s.doc is not None)
+    assert rag.turns[0].user.startswith("Document:\n") and "\n\nQuestion: " in rag.turns[0].user
 
 
 def _record(sent: float, ttft: float, tpot: float, tokens: int = 11) -> dict:

@@ -3,36 +3,16 @@
 A request meets the SLO when its own TTFT (send to first token) and TPOT ((last - first) /
 (output tokens - 1)) are within the bounds; goodput is those requests per second of the
 measured window (the turns *sent* in it); percentiles interpolate linearly between ranks
-(``benchmarks.common.percentile``). The prefix-cache hit rate is vLLM's: prompt tokens found
+(:func:`rbln_ray.common.stats.percentile`). The prefix-cache hit rate is vLLM's: prompt tokens found
 cached over prompt tokens looked up, over every replica and the whole run.
 """
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
+from rbln_ray.common.stats import summary
 from rbln_ray.planning.fleet.sim import FleetRun
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
-def summary(values: list[float], scale: float = 1.0) -> dict[str, float | None]:
-    if not values:
-        return {"mean": None, "p50": None, "p99": None, "max": None}
-    return {
-        "mean": statistics.fmean(values) * scale,
-        "p50": percentile(values, 50) * scale,  # type: ignore[operator]
-        "p99": percentile(values, 99) * scale,  # type: ignore[operator]
-        "max": max(values) * scale,
-    }
 
 
 def summarise(

@@ -1,13 +1,23 @@
-"""The workload of BENCHMARKS section 15 (``benchmarks/sessions.py``) in token space.
+"""The session workload of BENCHMARKS section 15, drawn in token space (deterministic for a seed).
 
-Same sessions, same random draws: :func:`build_sessions` makes exactly the calls
-``build_workload`` makes on Python's ``random.Random`` (same seeds, same order), so for the
-same spec it yields the measured run's sessions (arrival times, tenants, documents, turn
-counts, lengths, think times). Where ``build_workload`` draws a window of the standard
-library's text tokenized by the served model (``TextSource.text``: one ``randrange`` over
-the corpus), this draws the same ``randrange`` over a corpus of the same length
-(:data:`CORPUS_TOKENS`) of synthetic token ids, so equal windows are equal text and every
-prompt shares exactly the prefixes it shares in the benchmark.
+- **tenants**, each with a ``system_len``-token system prompt; a session's tenant is drawn
+  Zipf-like (``zipf_s``), so a few tenants are hot;
+- **chat sessions** of ``turns`` turns (4-6 by default): each turn appends ``user_len``
+  (50-300) tokens of user text to the conversation, and the answer of the previous turn;
+- **RAG sessions** (``rag_fraction`` of sessions, 1-2 turns): the first turn carries one of
+  ``num_docs`` ``doc_len``-token documents (also drawn Zipf-like) before its question;
+- sessions **arrive as a Poisson process** at ``rate / mean turns per session`` (so requests
+  arrive at about ``rate`` per second); a session's next turn is sent when the previous one
+  has finished and the user has thought for an exponential ``think_s``; every turn asks for
+  ``output_len`` (32-128) tokens.
+
+Every text is drawn as a window ``(start, length)`` of a corpus of ``corpus_tokens`` tokens.
+The benchmarks (``benchmarks/sessions.py``) render those windows as real text (the standard
+library tokenized by the served model, :data:`CORPUS_TOKENS` long in the demo model's
+tokenizer); the fleet simulation takes them from a synthetic corpus of the same length
+(:class:`Corpus`), so for the same spec it replays the measured run's sessions (arrival times,
+tenants, documents, turn counts, lengths, think times) and every prompt shares exactly the
+prefixes it shares in the benchmark.
 
 Prompts are rendered as the served tiny Llama's chat template renders them
 (``<|role|>\\ncontent\\n`` per message, then ``<|assistant|>\\n``), with that tokenizer's
@@ -40,8 +50,9 @@ QUESTION = (201, 201, 51, 325, 275, 298, 28, 223)  # "\n\nQuestion: "
 
 @dataclass(frozen=True)
 class SessionSpec:
-    """``benchmarks.sessions.WorkloadSpec``'s fields and defaults (the planner may not
-    import benchmarks), plus the corpus length the draws are taken over."""
+    """What a run's sessions are drawn from (the module docstring); ``rate`` in requests per
+    second, sessions arriving for ``duration_s``; ``corpus_tokens``: the length of the
+    corpus the text windows are drawn from."""
 
     rate: float
     duration_s: float
@@ -102,13 +113,14 @@ class Corpus:
 
 
 def _text(spec: SessionSpec, n: int, rng: random.Random) -> Span:
-    """``TextSource.text``'s draw: one ``randrange`` over the corpus."""
+    """A window of ``n`` tokens: one ``randrange`` over the corpus."""
     return rng.randrange(0, spec.corpus_tokens - n - 1), n
 
 
 class _Zipf:
-    """``sessions._zipf`` with its cumulative weights kept (``random.choices`` makes the
-    same single draw from ``weights`` or from their running sum)."""
+    """Index ``i`` of ``n`` with weight ``1 / (i + 1) ** s``, the cumulative weights computed
+    once (``random.choices`` makes the same single draw from ``weights`` or from their running
+    sum, so the committed runs' draws, made with ``weights``, are unchanged)."""
 
     def __init__(self, n: int, s: float) -> None:
         total, self.cum = 0.0, []
@@ -130,7 +142,8 @@ class Workload:
 
 
 def build_sessions(spec: SessionSpec, tag: str = "") -> Workload:
-    """``benchmarks.sessions.build_workload``, draw for draw (module docstring)."""
+    """The sessions of one run (``tag`` makes session ids unique across runs; the module
+    docstring says what is drawn)."""
     fixed = random.Random(1234)  # tenants and documents are the same in every run
     systems = [_text(spec, spec.system_len, fixed) for _ in range(spec.tenants)]
     docs = [_text(spec, spec.doc_len, fixed) for _ in range(spec.num_docs)]
