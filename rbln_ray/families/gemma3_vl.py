@@ -45,16 +45,13 @@ from typing import Any
 
 import torch
 from transformers import BatchFeature, Gemma3Config, Gemma3Processor
-from vllm.config.multimodal import BaseDummyOptions
-from vllm.inputs import MultiModalDataDict, MultiModalInput
+from vllm.inputs import MultiModalInput
 from vllm.model_executor.models.interfaces import SupportsMultiModal
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
 from vllm.multimodal.parse import ImageProcessorItems, MultiModalDataItems
 from vllm.multimodal.processing import (
-    BaseDummyInputsBuilder,
     BaseMultiModalProcessor,
-    BaseProcessingInfo,
     ProcessorInputs,
     PromptReplacement,
     PromptUpdate,
@@ -64,6 +61,7 @@ from vllm.multimodal.processing import (
 from vllm.multimodal.processing.processor import PlaceholderFeaturesInfo
 
 from rbln_ray.families.contract import VisionCode
+from rbln_ray.families.image_frontend import ImageDummyInputs, ImageProcessingInfo
 from rbln_ray.families.vision_base import (
     Declaration,
     PromptEmbedder,
@@ -129,17 +127,17 @@ def merge_newlines(
 
 
 # ----------------------------------------------------------------------------- vLLM
-class Gemma3ProcessingInfo(BaseProcessingInfo):
+class Gemma3ProcessingInfo(ImageProcessingInfo):
     """Gemma3: a fixed ``mm_tokens_per_image`` per image, framed by its markers."""
 
-    def get_hf_config(self) -> Gemma3Config:
-        return self.ctx.get_hf_config(Gemma3Config)
+    CONFIG, PROCESSOR = Gemma3Config, Gemma3Processor
 
-    def get_hf_processor(self, **kwargs: object) -> Gemma3Processor:
-        return self.ctx.get_hf_processor(Gemma3Processor, **kwargs)
+    def image_placeholder(self) -> str:
+        return PLACEHOLDER
 
-    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-        return {"image": None}
+    def dummy_image_size(self) -> tuple[int, int]:
+        size = self.get_hf_config().vision_config.image_size
+        return size, size
 
     def get_mm_max_tokens_per_item(
         self, seq_len: int, mm_counts: Mapping[str, int]
@@ -150,26 +148,6 @@ class Gemma3ProcessingInfo(BaseProcessingInfo):
         """Tokens a prompt with images may have: optimum's prefill may write up to a chunk
         (``mm_tokens_per_image``) less one past its end, within the compiled length."""
         return self.ctx.model_config.max_model_len - (self.get_hf_config().mm_tokens_per_image - 1)
-
-
-class Gemma3DummyInputs(BaseDummyInputsBuilder[Gemma3ProcessingInfo]):
-    def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
-        return PLACEHOLDER * mm_counts.get("image", 0)
-
-    def get_dummy_mm_data(
-        self,
-        seq_len: int,
-        mm_counts: Mapping[str, int],
-        mm_options: Mapping[str, BaseDummyOptions],
-    ) -> MultiModalDataDict:
-        size = self.info.get_hf_config().vision_config.image_size
-        images = self._get_dummy_images(
-            width=size,
-            height=size,
-            num_images=mm_counts.get("image", 0),
-            overrides=mm_options.get("image"),
-        )
-        return {"image": images}
 
 
 class Gemma3MultiModalProcessor(AfterTokenInsertion, BaseMultiModalProcessor[Gemma3ProcessingInfo]):
@@ -247,7 +225,7 @@ class Gemma3MultiModalProcessor(AfterTokenInsertion, BaseMultiModalProcessor[Gem
 
 
 @MULTIMODAL_REGISTRY.register_processor(
-    Gemma3MultiModalProcessor, info=Gemma3ProcessingInfo, dummy_inputs=Gemma3DummyInputs
+    Gemma3MultiModalProcessor, info=Gemma3ProcessingInfo, dummy_inputs=ImageDummyInputs
 )
 class RBLNGemma3Declaration(Declaration, SupportsMultiModal):
     """``Gemma3ForConditionalGeneration`` as vLLM's registry and front end see it on RBLN."""

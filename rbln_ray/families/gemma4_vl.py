@@ -40,16 +40,12 @@ from typing import Any
 import torch
 from transformers import BatchFeature, Gemma4Config
 from transformers.processing_utils import ProcessorMixin
-from vllm.config.multimodal import BaseDummyOptions
-from vllm.inputs import MultiModalDataDict
 from vllm.model_executor.models.interfaces import SupportsMultiModal
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
 from vllm.multimodal.parse import ImageProcessorItems, MultiModalDataItems
 from vllm.multimodal.processing import (
-    BaseDummyInputsBuilder,
     BaseMultiModalProcessor,
-    BaseProcessingInfo,
     PromptReplacement,
     PromptUpdate,
     PromptUpdateDetails,
@@ -57,6 +53,7 @@ from vllm.multimodal.processing import (
 
 from rbln_ray.common.artifact_files import HF_CONFIG, RBLN_CONFIG
 from rbln_ray.families.contract import VisionCode
+from rbln_ray.families.image_frontend import ImageDummyInputs, ImageProcessingInfo
 from rbln_ray.families.registry import DECODERS
 from rbln_ray.families.vision_base import (
     Declaration,
@@ -154,44 +151,24 @@ class Gemma4PilProcessor(ProcessorMixin):
 
 
 # ----------------------------------------------------------------------------- vLLM
-class Gemma4ProcessingInfo(BaseProcessingInfo):
+class Gemma4ProcessingInfo(ImageProcessingInfo):
     """Gemma 4: each image as many soft tokens as the processor's resize gives it, at most
     ``max_soft_tokens``, framed by BOI and EOI."""
 
-    def get_hf_config(self) -> Gemma4Config:
-        return self.ctx.get_hf_config(Gemma4Config)
-
-    def get_hf_processor(self, **kwargs: object) -> Gemma4PilProcessor:
-        return self.ctx.get_hf_processor(Gemma4PilProcessor, **kwargs)
-
-    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-        return {"image": None}
+    CONFIG, PROCESSOR = Gemma4Config, Gemma4PilProcessor
 
     def get_mm_max_tokens_per_item(
         self, seq_len: int, mm_counts: Mapping[str, int]
     ) -> Mapping[str, int]:
         return {"image": self.get_hf_processor().image_processor.max_soft_tokens + 2}
 
+    def image_placeholder(self) -> str:
+        return PLACEHOLDER
 
-class Gemma4DummyInputs(BaseDummyInputsBuilder[Gemma4ProcessingInfo]):
-    def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
-        return PLACEHOLDER * mm_counts.get("image", 0)
-
-    def get_dummy_mm_data(
-        self,
-        seq_len: int,
-        mm_counts: Mapping[str, int],
-        mm_options: Mapping[str, BaseDummyOptions],
-    ) -> MultiModalDataDict:
-        processor = self.info.get_hf_processor().image_processor
+    def dummy_image_size(self) -> tuple[int, int]:
+        processor = self.get_hf_processor().image_processor
         side = processor.patch_size * processor.pooling_kernel_size  # grows to the budget
-        images = self._get_dummy_images(
-            width=side,
-            height=side,
-            num_images=mm_counts.get("image", 0),
-            overrides=mm_options.get("image"),
-        )
-        return {"image": images}
+        return side, side
 
 
 class Gemma4MultiModalProcessor(BaseMultiModalProcessor[Gemma4ProcessingInfo]):
@@ -241,7 +218,7 @@ class Gemma4MultiModalProcessor(BaseMultiModalProcessor[Gemma4ProcessingInfo]):
 
 
 @MULTIMODAL_REGISTRY.register_processor(
-    Gemma4MultiModalProcessor, info=Gemma4ProcessingInfo, dummy_inputs=Gemma4DummyInputs
+    Gemma4MultiModalProcessor, info=Gemma4ProcessingInfo, dummy_inputs=ImageDummyInputs
 )
 class RBLNGemma4Declaration(Declaration, SupportsMultiModal):
     """``Gemma4ForConditionalGeneration`` as vLLM's registry and front end see it on RBLN."""

@@ -14,21 +14,18 @@ from typing import Any
 
 import torch
 from transformers import BatchFeature, LlavaConfig, LlavaProcessor
-from vllm.config.multimodal import BaseDummyOptions
-from vllm.inputs import MultiModalDataDict
 from vllm.model_executor.models.interfaces import SupportsMultiModal
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
 from vllm.multimodal.parse import ImageProcessorItems, MultiModalDataItems
 from vllm.multimodal.processing import (
-    BaseDummyInputsBuilder,
     BaseMultiModalProcessor,
-    BaseProcessingInfo,
     PromptReplacement,
     PromptUpdate,
 )
 
 from rbln_ray.families.contract import VisionCode
+from rbln_ray.families.image_frontend import ImageDummyInputs, ImageProcessingInfo
 from rbln_ray.families.vision_base import (
     Declaration,
     PromptEmbedder,
@@ -40,46 +37,20 @@ PLACEHOLDER = "<image>"  # what one image is in a prompt (and in the chat templa
 SPECIAL_TOKENS = [PLACEHOLDER]
 
 
-class LlavaProcessingInfo(BaseProcessingInfo):
+class LlavaProcessingInfo(ImageProcessingInfo):
     """LLaVA-1.5: a CLIP tower; one feature vector per image patch (plus CLS with the
     ``full`` feature strategy), whatever the input size (the processor resizes and crops)."""
 
-    def get_hf_config(self) -> LlavaConfig:
-        return self.ctx.get_hf_config(LlavaConfig)
+    CONFIG, PROCESSOR = LlavaConfig, LlavaProcessor
 
-    def get_hf_processor(self, **kwargs: object) -> LlavaProcessor:
-        return self.ctx.get_hf_processor(LlavaProcessor, **kwargs)
-
-    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-        return {"image": None}
-
-    def image_size(self) -> int:
-        return self.get_hf_config().vision_config.image_size
+    def dummy_image_size(self) -> tuple[int, int]:
+        size = self.get_hf_config().vision_config.image_size
+        return size, size
 
     def tokens_per_image(self) -> int:
         config = self.get_hf_config()
         patches = (config.vision_config.image_size // config.vision_config.patch_size) ** 2
         return patches + (config.vision_feature_select_strategy == "full")
-
-
-class LlavaDummyInputs(BaseDummyInputsBuilder[LlavaProcessingInfo]):
-    def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
-        return self.info.get_hf_processor().image_token * mm_counts.get("image", 0)
-
-    def get_dummy_mm_data(
-        self,
-        seq_len: int,
-        mm_counts: Mapping[str, int],
-        mm_options: Mapping[str, BaseDummyOptions],
-    ) -> MultiModalDataDict:
-        size = self.info.image_size()
-        images = self._get_dummy_images(
-            width=size,
-            height=size,
-            num_images=mm_counts.get("image", 0),
-            overrides=mm_options.get("image"),
-        )
-        return {"image": images}
 
 
 class LlavaMultiModalProcessor(BaseMultiModalProcessor[LlavaProcessingInfo]):
@@ -114,7 +85,7 @@ class Embedder(PromptEmbedder):
 
 
 @MULTIMODAL_REGISTRY.register_processor(
-    LlavaMultiModalProcessor, info=LlavaProcessingInfo, dummy_inputs=LlavaDummyInputs
+    LlavaMultiModalProcessor, info=LlavaProcessingInfo, dummy_inputs=ImageDummyInputs
 )
 class RBLNLlavaDeclaration(Declaration, SupportsMultiModal):
     """``LlavaForConditionalGeneration`` as vLLM's registry and front end see it on RBLN."""

@@ -27,21 +27,18 @@ from typing import Any
 import torch
 from transformers import BatchFeature, LlavaNextConfig, LlavaNextProcessor
 from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape
-from vllm.config.multimodal import BaseDummyOptions
-from vllm.inputs import MultiModalDataDict
 from vllm.model_executor.models.interfaces import SupportsMultiModal
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
 from vllm.multimodal.parse import ImageProcessorItems, MultiModalDataItems
 from vllm.multimodal.processing import (
-    BaseDummyInputsBuilder,
     BaseMultiModalProcessor,
-    BaseProcessingInfo,
     PromptReplacement,
     PromptUpdate,
 )
 
 from rbln_ray.families.contract import VisionCode
+from rbln_ray.families.image_frontend import ImageDummyInputs, ImageProcessingInfo
 from rbln_ray.families.vision_base import Declaration, PromptEmbedder, tiny_text_config
 
 PLACEHOLDER = "<image>"  # what one image is in a prompt (and in the chat template)
@@ -68,17 +65,10 @@ def num_image_tokens(config: LlavaNextConfig, width: int, height: int) -> int:
 
 
 # ----------------------------------------------------------------------------- vLLM
-class LlavaNextProcessingInfo(BaseProcessingInfo):
+class LlavaNextProcessingInfo(ImageProcessingInfo):
     """LLaVA-NeXT: an image's tokens depend on its size (:func:`num_image_tokens`)."""
 
-    def get_hf_config(self) -> LlavaNextConfig:
-        return self.ctx.get_hf_config(LlavaNextConfig)
-
-    def get_hf_processor(self, **kwargs: object) -> LlavaNextProcessor:
-        return self.ctx.get_hf_processor(LlavaNextProcessor, **kwargs)
-
-    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-        return {"image": None}
+    CONFIG, PROCESSOR = LlavaNextConfig, LlavaNextProcessor
 
     def tokens(self, width: int, height: int) -> int:
         return num_image_tokens(self.get_hf_config(), width, height)
@@ -95,25 +85,9 @@ class LlavaNextProcessingInfo(BaseProcessingInfo):
     ) -> Mapping[str, int]:
         return {"image": self.largest_image()[2]}
 
-
-class LlavaNextDummyInputs(BaseDummyInputsBuilder[LlavaNextProcessingInfo]):
-    def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
-        return self.info.get_hf_processor().image_token * mm_counts.get("image", 0)
-
-    def get_dummy_mm_data(
-        self,
-        seq_len: int,
-        mm_counts: Mapping[str, int],
-        mm_options: Mapping[str, BaseDummyOptions],
-    ) -> MultiModalDataDict:
-        width, height, _ = self.info.largest_image()
-        images = self._get_dummy_images(
-            width=width,
-            height=height,
-            num_images=mm_counts.get("image", 0),
-            overrides=mm_options.get("image"),
-        )
-        return {"image": images}
+    def dummy_image_size(self) -> tuple[int, int]:
+        width, height, _ = self.largest_image()
+        return width, height
 
 
 class LlavaNextMultiModalProcessor(BaseMultiModalProcessor[LlavaNextProcessingInfo]):
@@ -146,7 +120,7 @@ class LlavaNextMultiModalProcessor(BaseMultiModalProcessor[LlavaNextProcessingIn
 @MULTIMODAL_REGISTRY.register_processor(
     LlavaNextMultiModalProcessor,
     info=LlavaNextProcessingInfo,
-    dummy_inputs=LlavaNextDummyInputs,
+    dummy_inputs=ImageDummyInputs,
 )
 class RBLNLlavaNextDeclaration(Declaration, SupportsMultiModal):
     """``LlavaNextForConditionalGeneration`` as vLLM's registry and front end see it on

@@ -28,32 +28,22 @@ from vllm.multimodal.inputs import (
 )
 from vllm.multimodal.parse import ImageProcessorItems, MultiModalDataItems, VideoProcessorItems
 from vllm.multimodal.processing import (
-    BaseDummyInputsBuilder,
     BaseMultiModalProcessor,
-    BaseProcessingInfo,
     PromptReplacement,
     PromptUpdate,
     PromptUpdateDetails,
 )
 
+from rbln_ray.families.image_frontend import ImageDummyInputs, ImageProcessingInfo
 from rbln_ray.families.qwen_vl_base import MRopeEmbedder, QwenVLCode, vision_max_patches
 from rbln_ray.families.qwen_vl_rope import rope_index
 from rbln_ray.families.vision_base import Declaration
 
 
-class QwenVLProcessingInfo(BaseProcessingInfo):
+class QwenVLProcessingInfo(ImageProcessingInfo):
     """Images resized to multiples of ``patch_size x merge_size`` within the processor's
     pixel budget; one token per ``merge_size^2`` patches. A family sets its config and
     processor classes (``CONFIG``, ``PROCESSOR``)."""
-
-    CONFIG: ClassVar[type]
-    PROCESSOR: ClassVar[type]
-
-    def get_hf_config(self) -> Any:
-        return self.ctx.get_hf_config(self.CONFIG)
-
-    def get_hf_processor(self, **kwargs: object) -> Any:
-        return self.ctx.get_hf_processor(self.PROCESSOR, **kwargs)
 
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
         return {"image": None, "video": None} if self.PROCESSOR.VIDEOS else {"image": None}
@@ -99,6 +89,10 @@ class QwenVLProcessingInfo(BaseProcessingInfo):
                 return unit * (tokens // rows), unit * rows, tokens
         raise ValueError(f"the compiled vision tower takes no image ({self.max_patches()} patches)")
 
+    def dummy_image_size(self) -> tuple[int, int]:
+        width, height, _ = self.largest_image()
+        return width, height
+
     def largest_video(self, seq_len: int) -> tuple[int, int, int, int]:
         """``(width, height, frames, tokens)`` of the longest video served: frames of the
         largest image, as many temporal patches of them as fit ``seq_len`` (at least one)."""
@@ -122,12 +116,12 @@ def _compiled_max_patches(model: str) -> int:
     return vision_max_patches(model)
 
 
-class QwenVLDummyInputs(BaseDummyInputsBuilder[QwenVLProcessingInfo]):
+class QwenVLDummyInputs(ImageDummyInputs):
+    """The images' profiling inputs, and videos of the longest the budget takes."""
+
     def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
-        processor = self.info.get_hf_processor()
-        return processor.image_token * mm_counts.get("image", 0) + (
-            processor.video_token * mm_counts.get("video", 0)
-        )
+        video = self.info.get_hf_processor().video_token * mm_counts.get("video", 0)
+        return super().get_dummy_text(mm_counts) + video
 
     def get_dummy_mm_data(
         self,
@@ -135,13 +129,7 @@ class QwenVLDummyInputs(BaseDummyInputsBuilder[QwenVLProcessingInfo]):
         mm_counts: Mapping[str, int],
         mm_options: Mapping[str, BaseDummyOptions],
     ) -> MultiModalDataDict:
-        width, height, _ = self.info.largest_image()
-        images = self._get_dummy_images(
-            width=width,
-            height=height,
-            num_images=mm_counts.get("image", 0),
-            overrides=mm_options.get("image"),
-        )
+        images = super().get_dummy_mm_data(seq_len, mm_counts, mm_options)["image"]
         if not mm_counts.get("video"):
             return {"image": images}
         width, height, frames, _ = self.info.largest_video(seq_len)
