@@ -31,7 +31,12 @@ from typing import Any
 import torch
 
 from rbln_ray.families.contract import VisionCode
-from rbln_ray.families.vision_base import PromptEmbedder, one_image, tiny_text_config
+from rbln_ray.families.vision_base import (
+    PromptEmbedder,
+    one_image,
+    tiny_text_config,
+    tiny_vision_kwargs,
+)
 
 # The processor puts the image tokens before the text itself: a prompt names no image.
 PLACEHOLDER = ""
@@ -118,12 +123,7 @@ class Blip2(VisionCode):
         processor.chat_template = tokenizer.chat_template
         init = spec.language.initializer_range
         vision = dict(
-            hidden_size=spec.vision_hidden_size,
-            intermediate_size=2 * spec.vision_hidden_size,
-            num_hidden_layers=spec.vision_layers,
-            num_attention_heads=spec.vision_heads,
-            image_size=spec.image_size,
-            patch_size=spec.patch_size,
+            **tiny_vision_kwargs(spec),
             num_channels=3,  # read by optimum-rbln 0.12, not a transformers field (docstring)
             initializer_range=init,
         )

@@ -67,6 +67,7 @@ from rbln_ray.families.vision_base import (
     PromptEmbedder,
     one_image,
     tiny_text_config,
+    tiny_vision_kwargs,
 )
 from rbln_ray.upstream.vllm_internals import AfterTokenInsertion
 
@@ -297,12 +298,7 @@ class Gemma3VL(VisionCode):
         text = tiny_text_config(spec, tokenizer)
         vision = dict(
             model_type="siglip_vision_model",
-            hidden_size=spec.vision_hidden_size,
-            intermediate_size=2 * spec.vision_hidden_size,
-            num_hidden_layers=spec.vision_layers,
-            num_attention_heads=spec.vision_heads,
-            image_size=side,
-            patch_size=spec.patch_size,
+            **tiny_vision_kwargs(spec, side),
             # transformers 5.15 defaults SigLIP to a pooling head, which optimum-rbln then compiles
             # as a second output Gemma3's tower call has no buffer for; checkpoints have none
             vision_use_head=False,

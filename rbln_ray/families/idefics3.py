@@ -44,6 +44,7 @@ from rbln_ray.families.vision_base import (
     Declaration,
     PromptEmbedder,
     tiny_text_config,
+    tiny_vision_kwargs,
 )
 
 PLACEHOLDER = "<image>"  # what one image is in a prompt (and in the chat template)
@@ -153,12 +154,7 @@ class Idefics3(VisionCode):
         scale = 2
         tile_tokens = spec.image_tokens // scale**2
         vision = transformers.Idefics3VisionConfig(
-            hidden_size=spec.vision_hidden_size,
-            intermediate_size=2 * spec.vision_hidden_size,
-            num_hidden_layers=spec.vision_layers,
-            num_attention_heads=spec.vision_heads,
-            image_size=spec.image_size,
-            patch_size=spec.patch_size,
+            **tiny_vision_kwargs(spec),
             initializer_range=spec.language.initializer_range,
         )
         text = tiny_text_config(spec, tokenizer)

@@ -31,6 +31,7 @@ from rbln_ray.families.vision_base import (
     PromptEmbedder,
     one_image,
     tiny_text_config,
+    tiny_vision_kwargs,
 )
 
 PLACEHOLDER = "<image>"  # what one image is in a prompt (and in the chat template)
@@ -108,12 +109,7 @@ class Llava(VisionCode):
 
         image_token_id = tokenizer.convert_tokens_to_ids(PLACEHOLDER)
         vision = transformers.CLIPVisionConfig(
-            hidden_size=spec.vision_hidden_size,
-            intermediate_size=2 * spec.vision_hidden_size,
-            num_hidden_layers=spec.vision_layers,
-            num_attention_heads=spec.vision_heads,
-            image_size=spec.image_size,
-            patch_size=spec.patch_size,
+            **tiny_vision_kwargs(spec),
             projection_dim=spec.vision_hidden_size,
             initializer_range=spec.language.initializer_range,
         )

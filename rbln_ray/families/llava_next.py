@@ -39,7 +39,12 @@ from vllm.multimodal.processing import (
 
 from rbln_ray.families.contract import VisionCode
 from rbln_ray.families.image_frontend import ImageDummyInputs, ImageProcessingInfo
-from rbln_ray.families.vision_base import Declaration, PromptEmbedder, tiny_text_config
+from rbln_ray.families.vision_base import (
+    Declaration,
+    PromptEmbedder,
+    tiny_text_config,
+    tiny_vision_kwargs,
+)
 
 PLACEHOLDER = "<image>"  # what one image is in a prompt (and in the chat template)
 SPECIAL_TOKENS = [PLACEHOLDER]
@@ -168,12 +173,7 @@ class LlavaNext(VisionCode):
         side = spec.image_size
         pinpoints = [[side, 2 * side], [2 * side, side], [2 * side, 2 * side]]
         vision = transformers.CLIPVisionConfig(
-            hidden_size=spec.vision_hidden_size,
-            intermediate_size=2 * spec.vision_hidden_size,
-            num_hidden_layers=spec.vision_layers,
-            num_attention_heads=spec.vision_heads,
-            image_size=side,
-            patch_size=spec.patch_size,
+            **tiny_vision_kwargs(spec),
             projection_dim=spec.vision_hidden_size,
             initializer_range=spec.language.initializer_range,
         )

@@ -55,6 +55,7 @@ from rbln_ray.families.vision_base import (
     PromptEmbedder,
     one_image,
     tiny_text_config,
+    tiny_vision_kwargs,
 )
 
 # The processor puts the image tokens before the text itself: a prompt names no image.
@@ -168,12 +169,7 @@ class PaliGemma(VisionCode):
         text = tiny_text_config(spec, tokenizer)
         vision = dict(
             model_type="siglip_vision_model",
-            hidden_size=spec.vision_hidden_size,
-            intermediate_size=2 * spec.vision_hidden_size,
-            num_hidden_layers=spec.vision_layers,
-            num_attention_heads=spec.vision_heads,
-            image_size=spec.image_size,
-            patch_size=spec.patch_size,
+            **tiny_vision_kwargs(spec),
             projection_dim=hidden,
             vision_use_head=False,
             # no num_image_tokens: transformers 5 saves it on text_config only, as here

@@ -248,6 +248,20 @@ def tiny_text_kwargs(spec: Any, tokenizer: Any) -> dict[str, Any]:
     )
 
 
+def tiny_vision_kwargs(spec: Any, image_size: int | None = None) -> dict[str, Any]:
+    """The tiny vision tower's shape as config keyword arguments (a ViT of the spec's width,
+    depth and heads, its MLP twice as wide; ``image_size`` when the family's tower takes
+    another side than the spec's): what every ViT-style family's vision config starts from."""
+    return dict(
+        hidden_size=spec.vision_hidden_size,
+        intermediate_size=2 * spec.vision_hidden_size,
+        num_hidden_layers=spec.vision_layers,
+        num_attention_heads=spec.vision_heads,
+        image_size=spec.image_size if image_size is None else image_size,
+        patch_size=spec.patch_size,
+    )
+
+
 def tiny_text_config(spec: Any, tokenizer: Any) -> Any:
     """The tiny language model's transformers config: its decoder family's tiny recipe
     (:attr:`rbln_ray.families.registry.DecoderFamily.tiny`) at the spec's language shape, with
