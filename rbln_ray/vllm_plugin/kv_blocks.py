@@ -96,6 +96,21 @@ def block_layout(art: CompiledArtifact) -> BlockLayout:
     )
 
 
+def shares_uncomputed_blocks(
+    waiting: Sequence[Hashable], prompt: Sequence[Hashable], computed_tokens: int, block: int
+) -> bool:
+    """Whether a waiting prompt (its blocks' prefix-cache hashes) shares more leading blocks
+    with a prompt in prefill than that prompt has computed so far (``computed_tokens``, in
+    blocks of ``block`` tokens): admitted now, the waiting request would compute them again.
+    The RBLN scheduler's rule for advancing that prompt first, and the fleet simulation's."""
+    shared = 0
+    for mine, theirs in zip(waiting, prompt, strict=False):
+        if mine != theirs:
+            break
+        shared += 1
+    return shared > computed_tokens // block
+
+
 @dataclass(frozen=True)
 class KVCopy:
     """One on-device copy: the first ``tokens`` slots of RBLN block ``src`` into ``dst``."""

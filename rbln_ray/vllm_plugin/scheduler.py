@@ -54,6 +54,7 @@ from rbln_ray.vllm_plugin.kv_blocks import (
     KVStepPlan,
     OuterBlockManager,
     block_layout,
+    shares_uncomputed_blocks,
 )
 from rbln_ray.vllm_plugin.kv_slots import SlotManager
 from rbln_ray.vllm_plugin.lora import LoRAGate, refuse_unknown
@@ -188,15 +189,16 @@ class _RBLNScheduling:
         if not self.cache_config.enable_prefix_caching or not vllm_internals.has_waiting(self):
             return None
         waiting = vllm_internals.next_waiting(self).block_hashes
-        for request in prefilling:
-            shared = 0
-            for mine, theirs in zip(waiting, request.block_hashes, strict=False):
-                if mine != theirs:
-                    break
-                shared += 1
-            if shared > request.num_computed_tokens // self.block_size:
-                return request
-        return None
+        return next(
+            (
+                request
+                for request in prefilling
+                if shares_uncomputed_blocks(
+                    waiting, request.block_hashes, request.num_computed_tokens, self.block_size
+                )
+            ),
+            None,
+        )
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         """One step: start a waiting request's prefill when a slot is free (unless it shares

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from rbln_ray.vllm_plugin.kv_blocks import NO_BLOCK, BlockLayout, KVCopy, OuterBlockManager
+from rbln_ray.vllm_plugin.kv_blocks import (
+    NO_BLOCK,
+    BlockLayout,
+    KVCopy,
+    OuterBlockManager,
+    shares_uncomputed_blocks,
+)
 
 EAGER = BlockLayout(outer_size=512, inner_size=128, num_outer=4, max_seq_len=512)
 FLASH = BlockLayout(outer_size=1024, inner_size=128, num_outer=8, max_seq_len=2048)
@@ -133,3 +139,14 @@ def test_admit_twice_and_running_out_are_errors() -> None:
         m.admit("c", [], 0, 10)
     with pytest.raises(ValueError, match="whole 128-token blocks"):
         OuterBlockManager(EAGER, Evictions()).admit("d", ["x"], 100, 200)
+
+
+def test_a_waiting_prompt_waits_only_for_shared_blocks_not_yet_computed() -> None:
+    """Three blocks of 128 tokens shared; the waiting prompt should wait while the prompt in
+    prefill has computed fewer than all three, and not once it has (or if they differ)."""
+    prompt, waiting = ["a", "b", "c", "d"], ["a", "b", "c", "x"]
+    assert shares_uncomputed_blocks(waiting, prompt, 0, 128)
+    assert shares_uncomputed_blocks(waiting, prompt, 2 * 128 + 127, 128)
+    assert not shares_uncomputed_blocks(waiting, prompt, 3 * 128, 128)
+    assert not shares_uncomputed_blocks(["z", "b"], prompt, 0, 128)  # chains differ at once
+    assert not shares_uncomputed_blocks([], prompt, 0, 128)

@@ -40,7 +40,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from rbln_ray.npu.cost_model import DeviceSpec, ModelShape, Row, call_cost, copy_cost, preset
-from rbln_ray.vllm_plugin.kv_blocks import BlockLayout, OuterBlockManager
+from rbln_ray.vllm_plugin.kv_blocks import (
+    BlockLayout,
+    OuterBlockManager,
+    shares_uncomputed_blocks,
+)
 
 
 def output_key(replica: int, n: int) -> int:
@@ -296,15 +300,14 @@ class Replica:
         if not self.waiting:
             return None
         waiting = self.waiting[0].keys
-        for request in prefilling:
-            shared = 0
-            for mine, theirs in zip(waiting, request.keys, strict=False):
-                if mine != theirs:
-                    break
-                shared += 1
-            if shared > request.computed // self.block:
-                return request
-        return None
+        return next(
+            (
+                request
+                for request in prefilling
+                if shares_uncomputed_blocks(waiting, request.keys, request.computed, self.block)
+            ),
+            None,
+        )
 
     def _admit(self, request: SimRequest) -> float:
         """A waiting request starts: vLLM's prefix hit, its RBLN block, its first chunk."""
