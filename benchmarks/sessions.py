@@ -7,10 +7,10 @@ simulation replays the same ones in token space), rendered as text here.
 
 Text is real text (windows of the local Python standard library, tokenized with the served
 model's tokenizer, so lengths are in that tokenizer's tokens); every turn asks for its
-``max_tokens`` with ``ignore_eos``. The previous answer a turn
-appends is the workload's own text of the answer's length, not what the server generated,
-so every system sees exactly the same prompts (in the emulator's timing mode the generated
-tokens are garbage anyway). Each request carries its session in an ``x-session-id`` header.
+``max_tokens`` with ``ignore_eos``. The previous answer a turn appends is the workload's own
+text of the answer's length, not what the server generated, so every system sees exactly the
+same prompts (in the emulator's timing mode the generated tokens are garbage anyway). Each
+request carries its session in an ``x-session-id`` header.
 
 The client (:func:`run_sessions`) streams ``/v1/chat/completions`` and records per request,
 as ``vllm bench serve`` defines them: TTFT (send to first streamed token), TPOT ((last token

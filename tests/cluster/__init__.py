@@ -6,7 +6,7 @@
 # raylet waits for (Ray 2.60's NodeManager::WaitForDashboardAgentPorts gives it a fixed few
 # seconds, not configurable, even for ports given on the command line); `ray start`'s own
 # 30 s wait (ray/_private/node.py) then fails with this.
-# The tests bring such a cluster up again on exactly this failure, at most twice more; any
-# other failure fails them.
+# The tests bring such a cluster up again on exactly this failure, at most three more times;
+# any other failure fails them.
 RAYLET_START_TIMEOUT = "The current node timed out during startup"
-START_ATTEMPTS = 3
+START_ATTEMPTS = 4
