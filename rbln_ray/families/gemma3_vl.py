@@ -136,10 +136,6 @@ class Gemma3ProcessingInfo(ImageProcessingInfo):
     def image_placeholder(self) -> str:
         return PLACEHOLDER
 
-    def dummy_image_size(self) -> tuple[int, int]:
-        size = self.get_hf_config().vision_config.image_size
-        return size, size
-
     def get_mm_max_tokens_per_item(
         self, seq_len: int, mm_counts: Mapping[str, int]
     ) -> Mapping[str, int]:

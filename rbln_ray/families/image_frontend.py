@@ -40,8 +40,11 @@ class ImageProcessingInfo(BaseProcessingInfo):
 
     def dummy_image_size(self) -> tuple[int, int]:
         """``(width, height)`` of the image that costs the most tokens: what vLLM profiles the
-        engine's memory and the encoder cache with."""
-        raise NotImplementedError
+        engine's memory and the encoder cache with. Here a tower that takes one fixed square
+        (the processor resizes every image to it); a family whose tokens grow with the image
+        says its largest."""
+        size = self.get_hf_config().vision_config.image_size
+        return size, size
 
 
 class ImageDummyInputs(BaseDummyInputsBuilder[ImageProcessingInfo]):

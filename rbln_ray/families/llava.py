@@ -44,10 +44,6 @@ class LlavaProcessingInfo(ImageProcessingInfo):
 
     CONFIG, PROCESSOR = LlavaConfig, LlavaProcessor
 
-    def dummy_image_size(self) -> tuple[int, int]:
-        size = self.get_hf_config().vision_config.image_size
-        return size, size
-
     def tokens_per_image(self) -> int:
         config = self.get_hf_config()
         patches = (config.vision_config.image_size // config.vision_config.patch_size) ** 2
